@@ -1,0 +1,41 @@
+"""Shared pytest set-up. Under mpiexec (size > 1) a failing test on any rank aborts the whole job, so the other
+ranks never wait forever in a collective the failed rank will not reach; tests/run.py launches the suites."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+
+def _world():
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ \
+            and "PMIX_RANK" not in os.environ:
+        return None
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="session")
+def world():
+    """``MPI.COMM_WORLD`` (imported lazily so single-process tests never need MPI started)."""
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def rng(request, world):
+    """A generator seeded by the test name and the rank: fresh data that differs between ranks."""
+    seed = abs(hash(request.node.nodeid)) % (2 ** 31)
+    return np.random.default_rng([seed, world.Get_rank()])
+
+
+def pytest_runtest_logreport(report):
+    comm = _world()
+    if comm is None or comm.Get_size() == 1 or not report.failed:
+        return
+    sys.stderr.write(f"\n[rank {comm.Get_rank()}] FAILED {report.nodeid} ({report.when})\n"
+                     f"{report.longreprtext}\n[rank {comm.Get_rank()}] aborting the job\n")
+    sys.stderr.flush()
+    comm.Abort(1)

@@ -1,0 +1,46 @@
+"""A schedule is a plan: the ordered list of steps one rank performs. Nothing else.
+
+Schedules (ring.py, torus2d.py, hierarchical.py) only decide *which region goes to which peer on which
+communicator, in which order*; ``executor.py`` moves the bytes over MPI and calls the kernels, and
+``torus.sim`` replays the very same plans against a cost model. Regions are ``(offset, count)`` in elements
+of the working buffer. Communicators are named: ``"world"``, ``"row"``, ``"col"``, ``"local"``, ``"cross"``;
+peers are ranks within the named communicator.
+
+Within one step every receive is posted before any send, and a schedule never lets a step send from a region
+that the same step reduces into (so the executor may overlap them freely).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Send:
+    comm: str
+    peer: int
+    offset: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Recv:
+    comm: str
+    peer: int
+    offset: int
+    count: int
+    reduce: bool  # True: reduce into the region; False: overwrite it
+    final: bool = False  # this reduce completes the owner's result: fuse the avg scale into it
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Apply the avg scale to a region that no reduce completed (a communicator of size 1)."""
+    offset: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Step:
+    sends: tuple = ()
+    recvs: tuple = ()
+    scale: Scale | None = None
