@@ -22,7 +22,7 @@ from torus.algorithms import hierarchical, native, ring, torus2d
 from torus.algorithms.executor import Executor
 from torus.errors import MismatchError
 from torus.ops import DTYPE_CODE, OP_CODE, OPS, check_op_dtype
-from torus.partition import chunks, displacements
+from torus.partition import displacements
 from torus.select import ALGORITHMS, choose
 
 _COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
@@ -92,7 +92,11 @@ class TorusComm:
             self.local_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         self.local_rank, self.local_size = self.local_comm.Get_rank(), self.local_comm.Get_size()
         self.cross_comm = self.comm.Split(self.local_rank, rank)
-        self.node, self.nodes = self.cross_comm.Get_rank(), self.cross_comm.Get_size()
+        # Nodes may differ in size (emulated nodes that do not divide the size); then a rank's own cross
+        # communicator is smaller than the number of nodes, so count the leaders and ask the leader.
+        self.node = self.local_comm.bcast(self.cross_comm.Get_rank(), root=0)
+        self.nodes = self.comm.allreduce(int(self.local_rank == 0))
+        self._max_local = self.comm.allreduce(self.local_size, op=MPI.MAX)
         regular = (rank == self.node * self.local_size + self.local_rank
                    and self.nodes * self.local_size == size)
         self._node_grid = bool(self.comm.allreduce(regular, op=MPI.LAND))
@@ -101,6 +105,7 @@ class TorusComm:
         comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
                  "local": self.local_comm, "cross": self.cross_comm}
         self._executor = Executor(comms, rank, seg, timeout or None)
+        self._plans: dict = {}
 
     # ------------------------------------------------------------------ argument normalisation
     def _fail(self, what: str, exc, msg: str):
@@ -171,6 +176,36 @@ class TorusComm:
             parts.append(f"{_SIGNATURE[f]} ({shown})")
         raise MismatchError(f"{what}({algo}) on rank {self.rank}: ranks disagree on " + ", ".join(parts))
 
+    # ------------------------------------------------------------------ plans
+    def _plan(self, what: str, algo: str, counts, itemsize: int):
+        """The compiled plan of one call, cached: training repeats the same few shapes every step, and a
+        plan is a pure function of (collective, algorithm, counts, itemsize) on a given rank and grid.
+        ``counts``: the element count (allreduce) or the tuple of per-rank block counts."""
+        key = (what, algo, counts, itemsize)
+        compiled = self._plans.get(key)
+        if compiled is None:
+            if len(self._plans) >= 256:  # bounded: a sweep over many sizes must not grow without limit
+                self._plans.clear()
+            compiled = self._plans[key] = self._executor.compile(self._build(what, algo, counts), itemsize)
+        return compiled
+
+    def _build(self, what: str, algo: str, counts):
+        (x, y), (X, Y) = self.coords, self.dims
+        local = (self.local_rank, self.local_size, self.node, self.nodes)
+        if what == "allreduce":
+            if algo == "ring":
+                return ring.allreduce("world", self.rank, self.size, counts)
+            if algo == "torus2d":
+                return torus2d.allreduce(x, y, X, Y, counts)
+            return hierarchical.allreduce(*local, counts, self._max_local)
+        displs = displacements(counts)
+        if algo == "ring":
+            schedule = ring.reduce_scatter if what == "reduce_scatter" else ring.allgather
+            return schedule("world", self.rank, self.size, counts, displs)
+        module = torus2d if algo == "torus2d" else hierarchical
+        schedule = module.reduce_scatter if what == "reduce_scatter" else module.allgather
+        return schedule(*((x, y, X, Y) if algo == "torus2d" else local), counts, displs)
+
     # ------------------------------------------------------------------ collectives
     def allreduce(self, sendbuf, recvbuf=None, *, op: str = "sum", algorithm: str = "auto"):
         """All-reduce: every rank ends with ``op`` over all ranks' buffers, elementwise.
@@ -194,14 +229,7 @@ class TorusComm:
         if algo == "native":
             native.allreduce(self.comm, buf, op, scale)
             return recvbuf
-        if algo == "ring":
-            plan = ring.allreduce("world", self.rank, self.size, count)
-        elif algo == "torus2d":
-            (x, y), (X, Y) = self.coords, self.dims
-            plan = torus2d.allreduce(x, y, X, Y, count)
-        else:
-            plan = hierarchical.allreduce(self.local_rank, self.local_size, self.node, self.nodes, count)
-        self._executor.run(f"{what}({algo})", plan, buf, op, scale)
+        self._executor.run(f"{what}({algo})", self._plan(what, algo, count, dt.itemsize), buf, op, scale)
         return recvbuf
 
     def _counts(self, what: str, recvcounts, block: int):
@@ -254,15 +282,8 @@ class TorusComm:
         if algo == "native":
             native.reduce_scatter(self.comm, work, out, counts, op, scale)
             return out
-        if algo == "ring":
-            plan = ring.reduce_scatter("world", self.rank, self.size, counts, displs)
-        elif algo == "torus2d":
-            (x, y), (X, Y) = self.coords, self.dims
-            plan = torus2d.reduce_scatter(x, y, X, Y, counts, displs)
-        else:
-            plan = hierarchical.reduce_scatter(self.local_rank, self.local_size, self.node, self.nodes,
-                                               counts, displs)
-        self._executor.run(f"{what}({algo})", plan, work, op, scale)
+        self._executor.run(f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize), work, op,
+                           scale)
         np.copyto(out, work[lo:hi])
         return out
 
@@ -303,15 +324,8 @@ class TorusComm:
         if algo == "native":
             native.allgather(self.comm, buf, counts, displs)
             return recvbuf
-        if algo == "ring":
-            plan = ring.allgather("world", self.rank, self.size, counts, displs)
-        elif algo == "torus2d":
-            (x, y), (X, Y) = self.coords, self.dims
-            plan = torus2d.allgather(x, y, X, Y, counts, displs)
-        else:
-            plan = hierarchical.allgather(self.local_rank, self.local_size, self.node, self.nodes,
-                                          counts, displs)
-        self._executor.run(f"{what}({algo})", plan, buf, "sum", 1.0)
+        self._executor.run(f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize), buf, "sum",
+                           1.0)
         return recvbuf
 
     def Free(self) -> None:

@@ -15,23 +15,31 @@ numbered node by node; ``TorusComm`` falls back to the ring otherwise).
 from __future__ import annotations
 
 from torus.algorithms import ring, torus2d
-from torus.algorithms.plan import Recv, Send, Step
+from torus.algorithms.plan import Recv, Send, Step, pad
 from torus.partition import chunks
 
 
-def allreduce(local_rank: int, L: int, cross_rank: int, C: int, count: int):
+def allreduce(local_rank: int, L: int, node: int, C: int, count: int, max_local: int | None = None):
+    """Plan of one rank: ``L`` ranks on its node, ``C`` nodes in all, ``max_local`` ranks on the largest node
+    (default ``L``: nodes of equal size). Nodes may differ in size: every phase spans the same step indices
+    on every rank (empty steps pad the shorter ones), because a message's tag is its step index."""
+    Lmax = L if max_local is None else max_local
     counts, displs = chunks(count, L)
-    steps = ring.reduce_scatter("local", local_rank, L, counts, displs, final=C == 1)
-    if L > 1:
-        if local_rank == 0:
+    steps = pad(ring.reduce_scatter("local", local_rank, L, counts, displs, final=C == 1), Lmax - 1)
+    if Lmax > 1:
+        if L == 1:
+            steps.append(Step())
+        elif local_rank == 0:
             steps.append(Step(recvs=tuple(Recv("local", i, displs[i], counts[i], reduce=False)
                                           for i in range(1, L))))
         else:
             steps.append(Step(sends=(Send("local", 0, displs[local_rank], counts[local_rank]),)))
-    if local_rank == 0:
-        steps += ring.allreduce("cross", cross_rank, C, count, final=C > 1)
-    if L > 1:
-        if local_rank == 0:
+    cross = ring.allreduce("cross", node, C, count, final=C > 1) if local_rank == 0 else []
+    steps += pad(cross, 2 * (C - 1))
+    if Lmax > 1:
+        if L == 1:
+            steps.append(Step())
+        elif local_rank == 0:
             steps.append(Step(sends=tuple(Send("local", i, displs[i], counts[i]) for i in range(1, L))))
         else:
             steps.append(Step(recvs=(Recv("local", 0, displs[local_rank], counts[local_rank], reduce=False),)))

@@ -7,7 +7,10 @@ of the working buffer. Communicators are named: ``"world"``, ``"row"``, ``"col"`
 peers are ranks within the named communicator.
 
 Within one step every receive is posted before any send, and a schedule never lets a step send from a region
-that the same step reduces into (so the executor may overlap them freely).
+that the same step receives into (so the executor may overlap them freely). The executor tags every message
+with its step index, so a send and the receive that matches it must sit at the same index of the two ranks'
+plans: where ranks play different roles (a node leader, a node of fewer ranks) the schedule pads with empty
+steps (``pad``).
 """
 from __future__ import annotations
 
@@ -44,3 +47,8 @@ class Step:
     sends: tuple = ()
     recvs: tuple = ()
     scale: Scale | None = None
+
+
+def pad(steps: list, length: int) -> list:
+    """``steps`` followed by empty steps up to ``length`` steps in all (unchanged when already as long)."""
+    return steps + [Step()] * (length - len(steps))
