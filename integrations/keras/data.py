@@ -1,0 +1,325 @@
+"""Input pipelines for ImageNet-style data with tf.data: one shard per rank, parallel decode, prefetch,
+per-epoch deterministic order, and the augmentations Mikami et al. 2018 (arXiv:1811.05233, section 3) list.
+
+Two layouts are read, both under ``root``:
+
+- **ILSVRC2012 folders**: ``root/train/<class>/*.jpg`` and ``root/val/<class>/*.jpg`` (JPEG or PNG);
+  the class index is the position of the folder name in the sorted list of ``train/`` folders.
+- **TFRecord shards** in the usual ImageNet layout: files ``root/train-*`` and ``root/validation-*`` (or
+  ``root/train/*`` and ``root/val/*``), records of ``tf.train.Example`` with ``image/encoded`` (JPEG bytes)
+  and ``image/class/label`` (int64, **1-based**; 0 is the background class of the Inception scripts).
+
+Sharding: the folder layout deals image files round-robin (rank ``r`` of ``size`` gets files ``r, r+size,
+...``); TFRecords deal whole shard files when there are at least ``size`` of them, else records
+(``Dataset.shard``). Every image of a rank's shard is decoded once by :func:`open_split` (in parallel by
+tf.data) so that unreadable or corrupt images are reported by path before training, counted, and then either
+skipped or raised (``on_bad_image``). Training order in epoch ``e`` is a function of ``(seed, e, rank)`` only
+and every random augmentation is a stateless op seeded per element, so a run resumed at an epoch boundary
+sees exactly the batches an uninterrupted run sees.
+
+Images come out as float32 ``(batch, S, S, 3)`` normalised with the ImageNet channel mean and standard
+deviation; labels as int32 ``(batch,)`` in ``[0, num_classes)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".JPEG", ".JPG", ".PNG"}
+MEAN_RGB = (0.485, 0.456, 0.406)
+STDDEV_RGB = (0.229, 0.224, 0.225)
+_FEATURES = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
+             "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+_SPLIT_NAMES = {"train": ("train",), "val": ("val", "validation")}
+
+
+class DataError(RuntimeError):
+    """The data folder is missing, empty, malformed, or holds a bad image under ``on_bad_image="fail"``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Augment:
+    """Which training augmentations run, each one switchable; zero or ``False`` turns it off.
+
+    crop_area : smallest fraction of the image area a random resized crop keeps (aspect 3/4..4/3), 0 = off.
+    flip : random horizontal flips.
+    rotate : largest rotation in degrees (uniform in ``[-rotate, rotate]``), 0 = off.
+    color : brightness delta (in ``[0, 1]`` pixel units); contrast and saturation vary by ``1 +- 2*color``
+        and hue by ``color / 4``; 0 = off.
+    noise : standard deviation of added Gaussian noise in ``[0, 1]`` pixel units, 0 = off.
+    """
+    crop_area: float = 0.0
+    flip: bool = False
+    rotate: float = 0.0
+    color: float = 0.0
+    noise: float = 0.0
+
+    NAMES = ("crop", "flip", "rotate", "color", "noise")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Augment":
+        """``"none"`` or a comma list of ``crop[=min_area]``, ``flip``, ``rotate[=degrees]``, ``color[=delta]``,
+        ``noise[=stddev]`` (defaults 0.08, on, 10, 0.1, 0.02). Raises ``ValueError`` on an unknown name."""
+        defaults = {"crop": 0.08, "flip": True, "rotate": 10.0, "color": 0.1, "noise": 0.02}
+        fields = {}
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            if item == "none":
+                continue
+            name, _, value = item.partition("=")
+            if name not in defaults:
+                raise ValueError(f"augment: unknown augmentation {name!r}; choose from {', '.join(cls.NAMES)}")
+            field = "crop_area" if name == "crop" else name
+            fields[field] = (value.lower() not in ("0", "off", "false")) if name == "flip" and value \
+                else type(defaults[name])(float(value)) if value else defaults[name]
+        return cls(**fields)
+
+
+@dataclasses.dataclass
+class Split:
+    """One rank's shard of a split: what to read, how many good examples it holds, and the bad ones found.
+
+    kind : ``"folder"`` (``items`` are image paths, ``labels`` their class indices) or ``"tfrecord"``
+        (``items`` are shard files, ``labels`` is None, ``record_shard`` says whether records are dealt).
+    count : good examples in this rank's shard.  bad : ``[(where, error)]`` for each bad image.
+    """
+    kind: str
+    items: list
+    labels: np.ndarray | None
+    num_classes: int
+    count: int
+    bad: list
+    record_shard: tuple | None = None
+    bad_index: frozenset = frozenset()
+
+
+def _split_dir(root: Path, split: str) -> Path | None:
+    for name in _SPLIT_NAMES[split]:
+        if (root / name).is_dir():
+            return root / name
+    return None
+
+
+def _tfrecord_files(root: Path, split: str) -> list[str]:
+    folder = _split_dir(root, split)
+    if folder is not None and not any(p.is_dir() for p in folder.iterdir()):
+        return sorted(str(p) for p in folder.iterdir() if p.is_file())
+    return sorted(str(p) for name in _SPLIT_NAMES[split] for p in root.glob(f"{name}-*") if p.is_file())
+
+
+def class_names(root: str | Path) -> list[str]:
+    """The sorted class folder names of ``root/train`` (the folder layout's label order)."""
+    folder = _split_dir(Path(root), "train")
+    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder else []
+
+
+def _decode(encoded):
+    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    image.set_shape([None, None, 3])
+    return image
+
+
+def _scan(dataset, where) -> list:
+    """Decode every element of ``dataset`` (pairs ``(index, encoded)``); return ``[(where(i), error)]`` for
+    the ones that fail. Failing elements are found as the indices missing after ``ignore_errors``."""
+    sizes = dataset.map(lambda i, encoded: (i, tf.shape(_decode(encoded))[0]),
+                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=False).ignore_errors()
+    seen = set()
+    total = 0
+    for index, _ in sizes.batch(4096).as_numpy_iterator():
+        seen.update(index.tolist())
+    for index, _ in dataset.map(lambda i, e: (i, 0)).batch(4096).as_numpy_iterator():
+        total = max(total, int(index.max()) + 1 if len(index) else 0)
+    return [(where(i), "cannot be decoded as an image") for i in range(total) if i not in seen]
+
+
+def open_split(root: str | Path, split: str, *, rank: int = 0, size: int = 1,
+               on_bad_image: str = "skip", num_classes: int | None = None) -> Split:
+    """Find this rank's shard of ``split`` (``"train"`` or ``"val"``) under ``root`` and check its images.
+
+    Raises :class:`DataError` when ``root`` or the split is missing or holds no images, when a TFRecord label
+    is outside ``[1, num_classes]``, or, with ``on_bad_image="fail"``, when any image cannot be decoded (the
+    message names each bad path). With ``"skip"`` each bad image is written to stderr as a warning and left
+    out. Runs TensorFlow ops; involves no communication.
+    """
+    root = Path(root)
+    if on_bad_image not in ("skip", "fail"):
+        raise ValueError(f"open_split: on_bad_image must be 'skip' or 'fail', got {on_bad_image!r}")
+    if not root.is_dir():
+        raise DataError(f"data folder {root} does not exist")
+    folder = _split_dir(root, split)
+    classes = class_names(root)
+    if folder is not None and classes:
+        split_data = _open_folder(folder, classes, rank, size)
+    else:
+        files = _tfrecord_files(root, split)
+        if not files:
+            raise DataError(f"data folder {root} holds no {split} images: expected {split}/<class>/*.jpg "
+                            f"folders or TFRecord files {_SPLIT_NAMES[split][-1]}-*")
+        split_data = _open_tfrecords(files, rank, size, num_classes)
+    if split_data.bad:
+        lines = "\n".join(f"  {where}: {error}" for where, error in split_data.bad)
+        message = f"rank {rank}: {len(split_data.bad)} bad image(s) in {split} data under {root}:\n{lines}"
+        if on_bad_image == "fail":
+            raise DataError(message)
+        print(f"WARNING: {message}\n  (skipped; --on-bad-image fail stops instead)", file=sys.stderr, flush=True)
+    return split_data
+
+
+def _open_folder(folder: Path, classes: list[str], rank: int, size: int) -> Split:
+    paths, labels = [], []
+    for label, name in enumerate(classes):
+        class_dir = folder / name
+        if not class_dir.is_dir():
+            continue
+        files = sorted(p for p in class_dir.iterdir() if p.suffix in IMAGE_SUFFIXES)
+        paths += [str(p) for p in files]
+        labels += [label] * len(files)
+    if not paths:
+        raise DataError(f"data folder {folder} holds no images (expected <class>/*.jpg)")
+    # deal a fixed interleaving of classes so every rank's shard holds every class
+    order = np.random.default_rng(0).permutation(len(paths))[rank::size]
+    paths = [paths[i] for i in order]
+    labels = np.asarray(labels, np.int32)[order]
+    indexed = tf.data.Dataset.from_tensor_slices(paths).map(tf.io.read_file).enumerate()
+    bad = _scan(indexed, lambda i: paths[i])
+    bad_paths = {where for where, _ in bad}
+    keep = [i for i, p in enumerate(paths) if p not in bad_paths]
+    return Split("folder", [paths[i] for i in keep], labels[keep], len(classes), len(keep), bad)
+
+
+def _records(files, record_shard):
+    dataset = tf.data.TFRecordDataset(files)
+    return dataset.shard(*record_shard) if record_shard else dataset
+
+
+def _open_tfrecords(files: list[str], rank: int, size: int, num_classes: int | None) -> Split:
+    record_shard = None
+    if len(files) >= size:
+        files = files[rank::size]
+    else:
+        record_shard = (size, rank)
+    parsed = _records(files, record_shard).map(
+        lambda r: tf.io.parse_single_example(r, _FEATURES), num_parallel_calls=tf.data.AUTOTUNE)
+    labels = np.concatenate([b["image/class/label"] for b in
+                             parsed.map(lambda f: {"image/class/label": f["image/class/label"]})
+                             .batch(8192).as_numpy_iterator()] or [np.zeros(0, np.int64)])
+    top = num_classes or int(labels.max(initial=0))
+    if len(labels) and (labels.min() < 1 or labels.max() > top):
+        raise DataError(f"TFRecords {files[0]}...: image/class/label must be 1-based in [1, {top}], "
+                        f"found [{labels.min()}, {labels.max()}]")
+    where = f"{len(files)} file(s) from {files[0]}" if len(files) > 1 else files[0]
+    bad = _scan(parsed.map(lambda f: f["image/encoded"]).enumerate(), lambda i: f"{where}, record {i}")
+    bad_index = frozenset(int(w.rsplit(" ", 1)[1]) for w, _ in bad)
+    return Split("tfrecord", files, None, top, len(labels) - len(bad), bad, record_shard, bad_index)
+
+
+def _augment(image, seed, image_size: int, aug: Augment):
+    """Random resized crop, flip, rotation, colour distortion and noise on one uint8 image, all stateless
+    ops keyed by ``seed`` (shape (2,) int64); returns float32 ``(S, S, 3)`` in ``[0, 1]``."""
+    seeds = tf.random.experimental.stateless_split(seed, 8)
+    if aug.crop_area > 0:
+        begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
+            tf.shape(image), tf.zeros([0, 0, 4], tf.float32), seed=seeds[0],
+            area_range=(aug.crop_area, 1.0), aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=10,
+            use_image_if_no_bounding_boxes=True)
+        image = tf.slice(image, begin, crop_size)
+    image = tf.image.resize(tf.cast(image, tf.float32) / 255.0, (image_size, image_size))
+    if aug.flip:
+        image = tf.image.stateless_random_flip_left_right(image, seeds[1])
+    if aug.rotate > 0:
+        angle = tf.random.stateless_uniform([], seeds[2], -aug.rotate, aug.rotate) * (np.pi / 180)
+        image = _rotate(image, angle)
+    if aug.color > 0:
+        image = tf.image.stateless_random_brightness(image, aug.color, seeds[3])
+        image = tf.image.stateless_random_contrast(image, 1 - 2 * aug.color, 1 + 2 * aug.color, seeds[4])
+        image = tf.image.stateless_random_saturation(image, 1 - 2 * aug.color, 1 + 2 * aug.color, seeds[5])
+        image = tf.image.stateless_random_hue(image, aug.color / 4, seeds[6])
+    if aug.noise > 0:
+        image += aug.noise * tf.random.stateless_normal(tf.shape(image), seeds[7])
+    return tf.clip_by_value(image, 0.0, 1.0)
+
+
+def _normalise(image):
+    return (image - MEAN_RGB) / STDDEV_RGB
+
+
+def _rotate(image, angle):
+    """Rotate an ``(H, W, C)`` float image by ``angle`` radians about its centre (bilinear, zero fill)."""
+    height, width = tf.cast(tf.shape(image)[0], tf.float32), tf.cast(tf.shape(image)[1], tf.float32)
+    cos, sin = tf.cos(angle), tf.sin(angle)
+    # the projective transform maps output coordinates to input ones: rotate by -angle about the centre
+    x0 = (width - 1) / 2 - (cos * (width - 1) / 2 - sin * (height - 1) / 2)
+    y0 = (height - 1) / 2 - (sin * (width - 1) / 2 + cos * (height - 1) / 2)
+    transform = tf.stack([cos, -sin, x0, sin, cos, y0, 0.0, 0.0])[None]
+    return tf.raw_ops.ImageProjectiveTransformV3(
+        images=image[None], transforms=transform, output_shape=tf.shape(image)[:2], fill_value=0.0,
+        interpolation="BILINEAR", fill_mode="CONSTANT")[0]
+
+
+def _examples(split: Split, order: np.ndarray | None, shuffle_seed: int | None):
+    """``(encoded, label)`` pairs of a rank's shard, in ``order`` (folder) or shuffled (TFRecord)."""
+    if split.kind == "folder":
+        paths = np.asarray(split.items)
+        labels = split.labels
+        if order is not None:
+            paths, labels = paths[order], labels[order]
+        return tf.data.Dataset.from_tensor_slices((paths, labels)).map(
+            lambda p, y: (tf.io.read_file(p), y), num_parallel_calls=tf.data.AUTOTUNE)
+    files = list(np.asarray(split.items)[order]) if order is not None else split.items
+    dataset = _records(files, split.record_shard).map(lambda r: tf.io.parse_single_example(r, _FEATURES))
+    if split.bad_index:
+        bad = tf.constant(sorted(split.bad_index), tf.int64)
+        dataset = dataset.enumerate().filter(lambda i, f: tf.reduce_all(tf.not_equal(i, bad))) \
+            .map(lambda i, f: f)
+    dataset = dataset.map(lambda f: (f["image/encoded"], tf.cast(f["image/class/label"] - 1, tf.int32)))
+    if shuffle_seed is not None:
+        dataset = dataset.shuffle(10_000, seed=shuffle_seed, reshuffle_each_iteration=False)
+    return dataset
+
+
+def train_dataset(split: Split, *, epoch: int, batch_size: int, steps: int, image_size: int,
+                  augment: Augment = Augment(), seed: int = 0, rank: int = 0):
+    """Exactly ``steps`` batches of ``batch_size`` augmented training images from ``split`` for ``epoch``.
+
+    The order and every augmentation draw depend only on ``(seed, epoch, rank)``. Raises ``DataError`` when
+    the shard holds fewer than ``steps * batch_size`` good images.
+    """
+    if steps * batch_size > split.count:
+        raise DataError(f"rank {rank}: train shard has {split.count} images, fewer than {steps} steps of "
+                        f"{batch_size}")
+    rng = np.random.default_rng([seed, epoch, rank])
+    order = rng.permutation(len(split.items))
+    base = tf.constant([seed * 1_000_003 + rank, epoch], tf.int64)
+    dataset = _examples(split, order, int(rng.integers(2 ** 31)) if split.kind == "tfrecord" else None)
+    dataset = dataset.take(steps * batch_size).enumerate().map(
+        lambda i, example: (_normalise(_augment(_decode(example[0]),
+                                                      tf.stack([base[0] + base[1] * 7919, i]),
+                                                      image_size, augment)), example[1]),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def val_dataset(split: Split, *, batch_size: int, image_size: int, central_fraction: float = 0.875):
+    """All of the rank's validation images (last batch may be short): central crop of ``central_fraction``
+    of each side, resized to ``image_size``, normalised."""
+    def prepare(encoded, label):
+        image = _decode(encoded)
+        if central_fraction < 1:
+            image = tf.image.central_crop(image, central_fraction)
+        image = tf.image.resize(tf.cast(image, tf.float32) / 255.0, (image_size, image_size))
+        return _normalise(image), label
+    return _examples(split, None, None).map(prepare, num_parallel_calls=tf.data.AUTOTUNE) \
+        .batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def synthetic_dataset(*, batch_size: int, steps: int, image_size: int, num_classes: int, seed: int = 0):
+    """``steps`` copies of one random batch (like the TF benchmarks' ``--use_synthetic_data``): float32
+    ``(batch_size, S, S, 3)`` normal images and int32 uniform labels, generated once on the host."""
+    rng = np.random.default_rng(seed)
+    images = rng.standard_normal((batch_size, image_size, image_size, 3), np.float32)
+    labels = rng.integers(0, num_classes, batch_size).astype(np.int32)
+    return tf.data.Dataset.from_tensors((images, labels)).repeat(steps).prefetch(1)
