@@ -32,7 +32,10 @@ def get_num_threads() -> int:
 
 
 def _is_device(buf) -> bool:
-    return hasattr(buf, "__cuda_array_interface__") and not isinstance(buf, np.ndarray)
+    # numba's own device arrays are marked __cuda_ndarray__; the CUDA simulator's (NUMBA_ENABLE_CUDASIM=1)
+    # carry only that mark, no __cuda_array_interface__.
+    return not isinstance(buf, np.ndarray) and (hasattr(buf, "__cuda_array_interface__")
+                                                or getattr(buf, "__cuda_ndarray__", False))
 
 
 def reduce_into(acc, src, op: str, scale: float = 1.0) -> None:
