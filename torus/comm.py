@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from torus import kernels
+from torus import faults, kernels
 from torus.algorithms import hierarchical, native, ring, torus2d
 from torus.algorithms.executor import Executor
 from torus.errors import MismatchError
@@ -27,6 +27,16 @@ from torus.select import ALGORITHMS, choose
 
 _COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 _SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts")
+
+
+def _ranks(ranks: list) -> str:
+    """``[0, 1, 2, 5]`` -> ``'ranks 0-2, 5'``: short at any scale."""
+    runs, lo = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(lo) if lo == a else f"{lo}-{a}")
+            lo = b
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
 
 
 def _env_float(name: str, default):
@@ -156,22 +166,31 @@ class TorusComm:
         return algorithm
 
     def _agree(self, what: str, algo: str, op: str, dt, count: int, recvcounts) -> None:
-        """All-gather a signature of the call; every rank raises the same MismatchError if any differ."""
+        """All-gather a signature of the call; every rank raises the same MismatchError if any differ.
+
+        The all-gather is non-blocking and waited on with the stall timeout, so a rank that never calls (or
+        died) turns into ``TimeoutError`` here rather than a hang before the first data message."""
         crc = zlib.crc32(np.asarray(recvcounts, np.int64).tobytes()) if recvcounts is not None else 0
         mine = np.array([_COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count,
                          ALGORITHMS.index(algo), self.segment_bytes, self.dims[0], crc], np.int64)
         every = np.empty((self.size, mine.size), np.int64)
-        self.comm.Allgather(mine, every)
+        timeout = self._executor.timeout
+        faults.wait(self.comm.Iallgather(mine, every), timeout, lambda: (
+            f"{what}({algo}) on rank {self.rank}: no progress for {timeout:g} s in the argument check (the "
+            f"all-gather of every rank's call signature): some rank did not call {what}, died or is stuck; "
+            "the communicator is unusable now, abort the job"))
         bad = np.nonzero((every != every[0]).any(axis=0))[0]
         if bad.size == 0:
             return
-        decode = {0: _COLLECTIVES, 1: OPS, 2: [str(d) for d in DTYPE_CODE], 4: ALGORITHMS}
+        dtypes = [str(d) for d in DTYPE_CODE]
+        decode = {0: _COLLECTIVES.__getitem__, 1: OPS.__getitem__, 2: dtypes.__getitem__,
+                  4: ALGORITHMS.__getitem__, 6: lambda x: f"{x}x{self.size // x}", 7: lambda c: f"crc32 {c:08x}"}
         parts = []
         for f in bad:
             groups: dict = {}
             for r, v in enumerate(every[:, f]):
                 groups.setdefault(int(v), []).append(r)
-            shown = "; ".join(f"ranks {rs} have {decode[f][v] if f in decode else v}"
+            shown = "; ".join(f"{_ranks(rs)} {'has' if len(rs) == 1 else 'have'} {decode.get(f, str)(v)}"
                               for v, rs in groups.items())
             parts.append(f"{_SIGNATURE[f]} ({shown})")
         raise MismatchError(f"{what}({algo}) on rank {self.rank}: ranks disagree on " + ", ".join(parts))
