@@ -2,8 +2,30 @@
 
 ``LARS`` (optimizer), ``BatchSizeSchedule`` and ``LearningRateRule`` (batch-size control and the learning-rate
 rule that follows it), ``BatchControl`` (the callback that applies both), ``TorusStrategy`` (a
-``tf.distribute.Strategy``: ``with strategy.scope(): ...; model.fit(...)`` under ``mpiexec``).
-"""
-from torus.integrations.keras.lars import LARS
+``tf.distribute.Strategy``: ``with strategy.scope(): ...; model.fit(...)`` under ``mpiexec``; its
+``callbacks()`` are ``BroadcastInitialState`` and ``MetricAverage``), and for custom training loops
+``allreduce_tensors`` / ``broadcast_variables`` (also ``strategy.allreduce_gradients`` /
+``strategy.broadcast_variables``).
 
-__all__ = ["LARS"]
+Names are imported on first use, so the schedules work without importing TensorFlow.
+"""
+import importlib
+
+_MODULE = {
+    "LARS": "lars",
+    "BatchSizeSchedule": "schedule", "LearningRateRule": "schedule",
+    "BatchControl": "callbacks", "BroadcastInitialState": "callbacks", "MetricAverage": "callbacks",
+    "HostAllreduce": "loop", "allreduce_tensors": "loop", "broadcast_variables": "loop",
+    "TorusStrategy": "strategy",
+}
+__all__ = list(_MODULE)
+
+
+def __getattr__(name):
+    if name not in _MODULE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE[name]}"), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
