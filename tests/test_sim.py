@@ -1,0 +1,166 @@
+"""torus-sim against closed forms (steps, bytes, time), the orbit fast path against the full replay, and the
+replay's own checks (unmatched messages, deadlock). Single process; about 15 s on an idle 2-core machine."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from torus.algorithms.plan import Recv, Send, Step
+from torus.partition import chunks
+from torus.sim import closed_form, replay
+from torus.sim.cli import main
+from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
+from torus.sim.plans import ALGORITHMS, COLLECTIVES, plan
+from torus.sim.simulate import simulate
+
+GRIDS = [(1, 5), (5, 1), (2, 2), (2, 3), (3, 2), (4, 6)]
+COST1 = Cost(alpha=2e-6, beta=3e-10, gamma=7e-11)
+COST2 = Cost(alpha=1e-6, beta=1e-10, gamma=5e-11, inter_alpha=7e-6, inter_beta=9e-10)
+
+
+def _counts(N: int):
+    """Edge counts: 0, 1, below N, not divisible by N, divisible."""
+    return [0, 1, N - 1 if N > 1 else 2, 7 * N + 3, 12 * N]
+
+
+@pytest.mark.parametrize("X,Y", GRIDS)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_counts_match_closed_form(X, Y, algorithm, collective):
+    """Steps and mean bytes sent/reduced per rank equal the closed forms for every count; steps only once
+    every chunk is non-empty (an empty chunk is no message)."""
+    L = X if algorithm == "hierarchical" else 1  # hierarchical: the rows are the nodes
+    layout = Layout(X, Y, L)
+    N = layout.N
+    for count in _counts(N):
+        r = simulate(algorithm, collective, layout, count, "float64", COST1, "full")
+        M = count * 8
+        sent, reduced = closed_form.sent_per_rank(collective, N, M), (N - 1) / N * M
+        if algorithm == "hierarchical" and collective == "allreduce":
+            c0 = chunks(count, L)[0][0] * 8
+            C = N // L
+            sent = (C * (2 * (L - 1) * M + 2 * (M - c0 if L > 1 else 0)) + 2 * (C - 1) * M) / N
+            reduced = (C * (L - 1) * M + (C - 1) * M) / N
+        assert r.sent_mean == pytest.approx(sent, abs=1e-9)
+        assert r.reduced_mean == pytest.approx(0.0 if collective == "allgather" else reduced, abs=1e-9)
+        assert r.tag_mismatches == 0
+        if count >= N:
+            assert r.steps == closed_form.steps(algorithm, collective, N, X, Y, L)
+        if count == 0:
+            assert (r.steps, r.msgs_max, r.time) == (0, 0, 0.0)
+
+
+@pytest.mark.parametrize("X,Y", GRIDS)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("cost", [COST1, COST2], ids=["one-level", "two-level"])
+def test_time_matches_closed_form(X, Y, algorithm, collective, cost):
+    """Divisible counts: the predicted time is the closed-form α-β-γ formula (two levels: rows are nodes)."""
+    layout = Layout(X, Y, X)
+    if algorithm == "ring" and cost.inter_alpha is not None and X > 1 and Y > 1:
+        pytest.skip("the ring has no closed form on two levels (one hop in X leaves the node)")
+    N = layout.N
+    count = 12 * N * N
+    r = simulate(algorithm, collective, layout, count, "float32", cost, "full")
+    expect = closed_form.time(algorithm, collective, count * 4, cost.alpha, cost.beta, cost.gamma, N, X, Y, X,
+                              cost.inter_alpha, cost.inter_beta)
+    if algorithm == "ring" and cost.inter_alpha is not None and Y == 1:
+        expect = closed_form.time(algorithm, collective, count * 4, cost.alpha, cost.beta, cost.gamma, N)
+    elif algorithm == "ring" and cost.inter_alpha is not None:  # X == 1: every hop leaves the node
+        expect = closed_form.time(algorithm, collective, count * 4, cost.inter_alpha, cost.inter_beta,
+                                  cost.gamma, N)
+    assert r.time == pytest.approx(expect, rel=1e-12)
+    if algorithm != "hierarchical" or collective != "allreduce":  # symmetric: every rank sends alike
+        assert r.sent_max == pytest.approx(r.sent_mean, rel=1e-12)
+
+
+def test_inter_node_bytes_paper_forms():
+    """Mikami et al. sec. 3.2: the leaders move the whole M between nodes, the 2D-torus columns M/X."""
+    layout = Layout(4, 6, 4)
+    count = 4 * 6 * 100
+    M = count * 4
+    h = simulate("hierarchical", "allreduce", layout, count, "float32", COST2, "full")
+    t = simulate("torus2d", "allreduce", layout, count, "float32", COST2, "full")
+    assert h.inter_rank_max == pytest.approx(closed_form.inter_node_per_rank("hierarchical", 24, 4, 4, M))
+    assert t.inter_rank_max == pytest.approx(closed_form.inter_node_per_rank("torus2d", 24, 4, 4, M))
+    assert t.inter_rank_max == pytest.approx(h.inter_rank_max / 4)
+
+
+def test_symmetric_ranks_finish_together():
+    """Ring and 2D-torus plans are rotation-symmetric: with a divisible count every rank ends at the same
+    time and depth (the premise of the orbit fast path)."""
+    layout = Layout(4, 6)
+    for algorithm in ("ring", "torus2d"):
+        plans = {r: plan(algorithm, "allreduce", r, layout, 24 * 5) for r in range(24)}
+        end, _, _ = replay.full(plans, layout, COST1, 4)
+        assert len(set(end.values())) == 1
+
+
+@pytest.mark.parametrize("X,Y,L", [(4, 6, 2), (8, 8, 4), (1, 24, 4), (24, 1, 3)])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_orbit_equals_full_replay(X, Y, L, algorithm, collective):
+    """The fast path (representatives + rotation, vectorized clocks) gives exactly the full replay's
+    numbers, with uneven chunks, two levels and segmentation."""
+    layout = Layout(X, Y, L)
+    cost = Cost(1e-6, 1e-10, 3e-10, 5e-6, 4e-10, segment_bytes=256)
+    for count in (layout.N - 1, 37 * layout.N + 5):
+        full = simulate(algorithm, collective, layout, count, "float32", cost, "full").as_dict()
+        fast = simulate(algorithm, collective, layout, count, "float32", cost, "orbit").as_dict()
+        assert fast.pop("method") == "orbit" and full.pop("method") == "full"
+        for k, v in full.items():
+            assert fast[k] == (pytest.approx(v, rel=1e-12) if isinstance(v, float) else v), k
+
+
+def test_paper_scale_2176():
+    """2,176 ranks as 32x68 (Mikami et al.): steps 2(X-1)+2(Y-1) = 196 against the ring's 2(N-1) = 4350, and
+    the symmetric time formula, through the orbit path."""
+    layout = Layout(32, 68, 4)
+    count = 2176 * 64
+    for algorithm in ("torus2d", "ring"):
+        r = simulate(algorithm, "allreduce", layout, count, "float32", COST1)
+        assert r.method == "orbit"
+        assert r.steps == closed_form.steps(algorithm, "allreduce", 2176, 32, 68)
+        assert r.time == pytest.approx(closed_form.time(algorithm, "allreduce", count * 4, COST1.alpha,
+                                                        COST1.beta, COST1.gamma, 2176, 32, 68), rel=1e-9)
+
+
+def test_unmatched_and_deadlock_raise():
+    layout = Layout(2, 1)
+    short = {0: [Step(sends=(Send("world", 1, 0, 4),))], 1: [Step(recvs=(Recv("world", 0, 0, 3, True),))]}
+    with pytest.raises(SimulationError, match="do not match"):
+        replay.full(short, layout, COST1, 4)
+    # each rank waits for the other's message of step 0, which is only sent in step 1
+    cycle = {r: [Step(recvs=(Recv("world", 1 - r, 0, 4, True),)), Step(sends=(Send("world", 1 - r, 0, 4),))]
+             for r in (0, 1)}
+    with pytest.raises(SimulationError, match="deadlock"):
+        replay.full(cycle, layout, COST1, 4)
+
+
+def test_cli_sweep_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    assert main(["--sweep", "-b", "1K", "-e", "16K", "-f", "4", "--ranks", "6,8", "--ranks-per-node", "2",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 2 * 3 * 3
+    assert {r["nbytes"] for r in data["results"]} == {1024, 4096, 16384}
+    assert png.stat().st_size > 1000
+    assert "torus2d" in capsys.readouterr().out
+    assert main(["--ranks", "6", "--dims", "4x2"]) == 2
+
+
+def test_params_file_and_flags(tmp_path):
+    from torus.sim.cli import cost_from, parser
+    p = tmp_path / "fit.json"
+    p.write_text(json.dumps({"alpha": 3e-6, "beta": 2e-10, "gamma": 1e-10, "measured": []}))
+    argv = ["--params", str(p), "--gamma", "5e-11"]
+    cost = cost_from(parser().parse_args(argv), argv)
+    assert (cost.alpha, cost.beta, cost.gamma) == (3e-6, 2e-10, 5e-11)
+
+
+def test_itemsizes_match_numpy():
+    from torus.ops import DTYPES
+    assert {str(d): d.itemsize for d in DTYPES} == ITEMSIZE
+    assert np.dtype("float32").itemsize == ITEMSIZE["float32"]

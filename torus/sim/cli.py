@@ -1,0 +1,183 @@
+"""torus-sim: replay torus' own schedules at any scale under an α-β-γ cost model.
+
+    torus-sim --ranks 2176 --dims 32x68 --nbytes 100M --alpha 1e-6 --beta 1e-10 --gamma 1e-11 \\
+              --ranks-per-node 4 --inter-alpha 5e-6 --inter-beta 4e-10
+    torus-sim --sweep -b 1K -e 1G -f 4 --ranks 64,1088,2176 --json sim.json --plot sim.png
+    torus-sim --paper
+    mpiexec -n 2 torus-sim --fit --json fit.json            # measure α, β, γ on this machine
+    mpiexec -n 4 torus-sim --validate --params fit.json     # predicted vs measured TorusComm times
+
+Sizes are bytes of the whole buffer (binary K/M/G, as torus-bench); times in seconds unless labelled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from torus.bench.sweep import format_size, parse_size, size_steps
+from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
+from torus.sim.plans import ALGORITHMS, COLLECTIVES
+from torus.sim.simulate import simulate
+
+
+def _list(kind, choices=None):
+    def parse(text: str):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        try:
+            values = [kind(t) for t in items]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        bad = [v for v in values if choices is not None and v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list"
+                                             + (f" of {', '.join(choices)}" if choices else ""))
+        return values
+    return parse
+
+
+def _dims(text: str) -> tuple[int, int]:
+    try:
+        x, y = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"dims {text!r}: expected XxY, e.g. 32x68") from None
+    return x, y
+
+
+def default_dims(n: int) -> tuple[int, int]:
+    """``(X, Y)``, ``X <= Y`` as square as possible (MPI.Compute_dims' choice, the shorter side along rows)."""
+    x = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    return x, n // x
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="torus-sim", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", action="store_true", help="sizes -b..-e by -f (and every --ranks)")
+    mode.add_argument("--paper", action="store_true", help="Mikami et al. 2018 section 3.2 comparison")
+    mode.add_argument("--fit", action="store_true", help="measure alpha, beta, gamma (under mpiexec -n 2)")
+    mode.add_argument("--validate", action="store_true", help="measured vs predicted (under mpiexec)")
+    ap.add_argument("--ranks", type=_list(int), default=[16], help="rank counts (comma-separated)")
+    ap.add_argument("--dims", type=_dims, default=None, help="grid XxY (default: as square as possible)")
+    ap.add_argument("--nbytes", type=_list(parse_size), default=[parse_size("100M")], help="sizes")
+    ap.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="--sweep: smallest")
+    ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("1G"), help="--sweep: largest")
+    ap.add_argument("-f", "--stepfactor", type=int, default=4, help="--sweep: size factor")
+    ap.add_argument("--dtype", choices=tuple(ITEMSIZE), default="float32")
+    ap.add_argument("--algo", type=_list(str, ALGORITHMS), default=list(ALGORITHMS))
+    ap.add_argument("--collective", type=_list(str, COLLECTIVES), default=["allreduce"])
+    ap.add_argument("--alpha", type=float, default=1e-6, help="s per message (intra-node)")
+    ap.add_argument("--beta", type=float, default=1e-10, help="s per byte (intra-node)")
+    ap.add_argument("--gamma", type=float, default=0.0, help="s per reduced byte")
+    ap.add_argument("--ranks-per-node", type=int, default=1, help="ranks per node (hierarchical's local size)")
+    ap.add_argument("--inter-alpha", type=float, default=None, help="s per message between nodes")
+    ap.add_argument("--inter-beta", type=float, default=None, help="s per byte between nodes")
+    ap.add_argument("--segment-bytes", type=parse_size, default=None, help="pipelining unit (none: whole)")
+    ap.add_argument("--params", default=None, help="JSON with alpha/beta/gamma (from --fit); flags override")
+    ap.add_argument("--method", choices=("auto", "full", "orbit"), default="auto")
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--plot", default=None, help="write a PNG of time against size here (--sweep)")
+    return ap
+
+
+def cost_from(args, argv) -> Cost:
+    """Cost from --params (a --fit JSON), overridden by flags given on the command line."""
+    values = {}
+    if args.params:
+        with open(args.params) as f:
+            values = {k: v for k, v in json.load(f).items() if k in Cost.__dataclass_fields__}
+    for name in Cost.__dataclass_fields__:
+        flag = "--" + name.replace("_", "-")
+        if name not in values or any(a == flag or a.startswith(flag + "=") for a in argv):
+            values[name] = getattr(args, name)
+    return Cost(**values)
+
+
+def _row_text(r) -> str:
+    return (f"{r.algorithm:>12} {r.collective:>14} {r.ranks:>6} {r.dims:>8} {format_size(r.nbytes):>7} "
+            f"{r.steps:>6} {r.msgs_max:>6.0f} {r.sent_max / 1e6:>10.3f} {r.sent_mean / 1e6:>10.3f} "
+            f"{r.reduced_max / 1e6:>10.3f} {r.inter_rank_max / 1e6:>10.3f} {r.inter_node_max / 1e6:>10.3f} "
+            f"{r.time * 1e3:>11.4f} {r.method:>6}")
+
+
+HEADER = (f"{'algorithm':>12} {'collective':>14} {'ranks':>6} {'dims':>8} {'size':>7} {'steps':>6} {'msgs':>6} "
+          f"{'sentMBmax':>10} {'sentMBavg':>10} {'redMBmax':>10} {'interMB/r':>10} {'interMB/n':>10} "
+          f"{'time ms':>11} {'method':>6}")
+
+
+def plot(results, path: str) -> None:
+    """Time against size, one line per (algorithm, ranks), log-log."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines = {}
+    for r in results:
+        lines.setdefault((r.collective, r.algorithm, r.ranks, r.dims), []).append((r.nbytes, r.time))
+    for (coll, algo, n, dims), pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker=".",
+                label=f"{algo} {coll} N={n} ({dims})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("predicted time (ms)")
+    ax.set_title("torus-sim: α-β-γ replay of the real schedules")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.fit or args.validate:
+        from torus.sim import fit
+        return fit.main(args, cost_from(args, argv))
+    cost = cost_from(args, argv)
+    out = {"command": "torus-sim " + " ".join(argv), "cost": cost.__dict__}
+    if args.paper:
+        from torus.sim import paper
+        rows = paper.rows(cost=cost, dtype=args.dtype)
+        print(f"# Mikami et al. 2018 sec. 3.2, M = {paper.RESNET50_NBYTES} B (ResNet-50 float32), "
+              f"{paper.RANKS_PER_NODE} ranks per node; cost {cost}")
+        print(paper.table(rows))
+        out["paper"] = rows
+    else:
+        if args.dims is not None and len(args.ranks) > 1:
+            print("torus-sim: --dims needs a single --ranks", file=sys.stderr)
+            return 2
+        sizes = size_steps(args.minbytes, args.maxbytes, args.stepfactor) if args.sweep else args.nbytes
+        results = []
+        print(HEADER)
+        for n in args.ranks:
+            dims = args.dims or default_dims(n)
+            try:
+                layout = Layout(*dims, args.ranks_per_node)
+                if layout.N != n:
+                    raise ValueError(f"torus-sim: dims {dims[0]}x{dims[1]} do not multiply to {n} ranks")
+                for coll in args.collective:
+                    for algo in args.algo:
+                        for nbytes in sizes:
+                            r = simulate(algo, coll, layout, nbytes // ITEMSIZE[args.dtype], args.dtype, cost,
+                                         args.method)
+                            results.append(r)
+                            print(_row_text(r), flush=True)
+            except (ValueError, SimulationError) as e:
+                print(e, file=sys.stderr)
+                return 2
+        out["results"] = [r.as_dict() for r in results]
+        if args.plot:
+            plot(results, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Closed forms for the symmetric cases, the yardstick for the simulator (tests) and for ``--paper``.
+
+``M`` bytes in all (all-reduce: the buffer; reduce-scatter: the input; all-gather: the output), ``N = X*Y`` ranks,
+``L`` ranks per node and ``C = N/L`` nodes; sizes divisible by every partition in use, single-port ranks.
+
+Steps and bytes:
+- ring (Patarasuk & Yuan 2009, JPDC 69(2), section 3; Thakur et al. 2005, IJHPCA 19(1), section 4.4):
+  all-reduce ``2(N-1)`` steps, ``2(N-1)/N·M`` sent and ``(N-1)/N·M`` reduced per rank; reduce-scatter and
+  all-gather ``N-1`` steps, ``(N-1)/N·M`` sent.
+- 2D-torus (Mikami et al. 2018, arXiv:1811.05233, section 3.2): all-reduce ``2(X-1) + 2(Y-1)`` steps, bytes as
+  the ring; the column phase moves ``M/X`` per rank and is the only phase that leaves the node when ``X = L``.
+- hierarchical (ibid., section 3.2): the leaders' ring moves the whole ``M`` across nodes (``2(C-1)/C·M`` per
+  leader) after a node-local reduce-scatter and gather to the leader; ``2(L-1) + 2 + 2(C-1)`` steps.
+
+Time (α-β-γ, one level unless stated): ring all-reduce ``2(N-1)(α + β·M/N) + (N-1)·γ·M/N``; 2D-torus
+all-reduce ``2(X-1)(α + β·M/X) + (X-1)γM/X + 2(Y-1)(α + β·M/N) + (Y-1)γM/N`` (row and column levels may use
+different α/β); hierarchical all-reduce with intra (αi, βi) and inter (αe, βe) levels:
+``(L-1)(αi + (βi+γ)M/L) + 2(αi + (L-1)βi·M/L) + 2(C-1)(αe + βe·M/C) + (C-1)γM/C + (L-1)(αi + βi·M/L)``
+(the gather and the scatter each push ``L-1`` chunks through the leader's one port).
+"""
+from __future__ import annotations
+
+
+def steps(algorithm: str, collective: str, N: int, X: int = 1, Y: int = 1, L: int = 1) -> int:
+    """Messages in sequence on the critical path."""
+    if algorithm == "ring":
+        return (2 if collective == "allreduce" else 1) * (N - 1)
+    if algorithm == "hierarchical":
+        if collective == "allreduce":
+            return 2 * (L - 1) + 2 * (L > 1) + 2 * (N // L - 1)
+        X, Y = L, N // L
+    return (2 if collective == "allreduce" else 1) * ((X - 1) + (Y - 1))
+
+
+def sent_per_rank(collective: str, N: int, M: float) -> float:
+    """Bytes each rank sends in the ring and 2D-torus schedules (the same for both)."""
+    return (2 if collective == "allreduce" else 1) * (N - 1) / N * M
+
+
+def inter_node_per_rank(algorithm: str, N: int, X: int, L: int, M: float) -> float:
+    """All-reduce bytes the busiest rank sends to other nodes: hierarchical ``2(C-1)/C·M`` (a leader);
+    2D-torus with rows inside nodes (``X = L``) ``2(Y-1)/Y·M/X``; ring ``2(N-1)/N·M`` (each node's last rank)."""
+    C, Y = N // L, N // X
+    if algorithm == "hierarchical":
+        return 2 * (C - 1) / C * M
+    if algorithm == "torus2d":
+        if X != L:
+            raise ValueError("closed form for rows that are exactly the nodes (X = ranks per node)")
+        return 2 * (Y - 1) / Y * M / X
+    return 2 * (N - 1) / N * M
+
+
+def time(algorithm: str, collective: str, M: float, alpha: float, beta: float, gamma: float, N: int,
+         X: int = 1, Y: int = 1, L: int = 1, inter_alpha: float | None = None,
+         inter_beta: float | None = None) -> float:
+    """Seconds for the symmetric case. ``inter_*`` price the column (torus2d with ``X = L``) or the cross
+    (hierarchical) level; ring uses one level."""
+    ae = alpha if inter_alpha is None else inter_alpha
+    be = beta if inter_beta is None else inter_beta
+    rs, ag = collective in ("allreduce", "reduce_scatter"), collective in ("allreduce", "allgather")
+
+    def ring(p, m, a, b, reduce=True, gather=True):  # one ring pass over m bytes on p ranks
+        return ((p - 1) * (a + (b + gamma) * m / p) if reduce else 0.0) + \
+               ((p - 1) * (a + b * m / p) if gather else 0.0)
+
+    if algorithm == "ring":
+        return ring(N, M, alpha, beta, rs, ag)
+    if algorithm == "hierarchical" and collective == "allreduce":
+        C = N // L
+        funnel = (alpha + (L - 1) * beta * M / L) if L > 1 else 0.0
+        return ring(L, M, alpha, beta, True, False) + 2 * funnel + ring(C, M, ae, be) + \
+            ring(L, M, alpha, beta, False, True)
+    if algorithm == "hierarchical":
+        X, Y = L, N // L
+    if collective == "allreduce":
+        return ring(X, M, alpha, beta) + ring(Y, M / X, ae, be)
+    # reduce-scatter: column phase on row segments (M/Y each) first, then the row; all-gather the reverse
+    return ring(Y, M, ae, be, rs, ag) + ring(X, M / Y, alpha, beta, rs, ag)

@@ -1,0 +1,107 @@
+"""The α-β-γ cost of one message and the map from named communicators to world ranks.
+
+Hockney's model (Hockney 1994, "The communication challenge for MPP", Parallel Computing 20(3)) with the
+reduction term of Thakur, Rabenseifner & Gropp 2005 ("Optimization of collective communication operations in
+MPICH", IJHPCA 19(1), section 2): a message of ``b`` bytes costs ``α + β·b`` seconds and reducing it costs
+``γ·b``. Two levels: a message whose peer sits on another node (world rank // ranks_per_node differs) pays
+``inter_alpha``/``inter_beta`` instead.
+
+Segmentation (``segment_bytes``, the executor's pipelining unit) is modelled simply: a message of ``k``
+segments pays ``k·α + β·b``, and only the reduction of the last segment is exposed, plus whatever part of each
+earlier segment's reduction is longer than the next segment's transfer:
+``γ·min(b, S) + (k-1)·max(0, γ·S - (α + β·S))``. Without ``segment_bytes`` a message is one unit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from torus.errors import TorusError
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+
+
+class SimulationError(TorusError):
+    """A plan the executor could not run: unmatched or mis-sized messages, or a deadlock."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Seconds per message (alpha), per byte moved (beta), per byte reduced (gamma); inter_* for messages
+    between nodes (default: the same as intra-node); segment_bytes: pipelining unit, None for none."""
+    alpha: float = 1e-6
+    beta: float = 1e-10
+    gamma: float = 0.0
+    inter_alpha: float | None = None
+    inter_beta: float | None = None
+    segment_bytes: int | None = None
+
+    def link(self, crossing):
+        """(α, β) for a message, or arrays of them for a boolean array ``crossing``."""
+        ia = self.alpha if self.inter_alpha is None else self.inter_alpha
+        ib = self.beta if self.inter_beta is None else self.inter_beta
+        if isinstance(crossing, np.ndarray):
+            return np.where(crossing, ia, self.alpha), np.where(crossing, ib, self.beta)
+        return (ia, ib) if crossing else (self.alpha, self.beta)
+
+    def nseg(self, nbytes):
+        if self.segment_bytes is None:
+            return np.ones_like(nbytes) if isinstance(nbytes, np.ndarray) else 1
+        if isinstance(nbytes, np.ndarray):
+            return np.maximum(1, -(-nbytes // self.segment_bytes))
+        return max(1, math.ceil(nbytes / self.segment_bytes))
+
+    def transfer(self, nbytes, alpha, beta):
+        """Seconds from the first byte leaving to the last arriving: k·α + β·b."""
+        return self.nseg(nbytes) * alpha + beta * nbytes
+
+    def reduce_exposed(self, nbytes, alpha, beta):
+        """Seconds of reduction after the last segment arrived (see the module docstring)."""
+        if self.segment_bytes is None:
+            return self.gamma * nbytes
+        S = self.segment_bytes
+        k = self.nseg(nbytes)
+        hidden = np.maximum(0.0, self.gamma * S - (alpha + beta * S))
+        return self.gamma * np.minimum(nbytes, S) + (k - 1) * hidden
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``N = X * Y`` ranks; rank ``r`` at column ``x = r % X`` of row ``y = r // X`` (as ``TorusComm``);
+    nodes of ``ranks_per_node`` consecutive ranks, which are also the hierarchical schedule's local groups."""
+    X: int
+    Y: int
+    ranks_per_node: int = 1
+
+    def __post_init__(self):
+        if self.X < 1 or self.Y < 1 or self.ranks_per_node < 1 or self.N % self.ranks_per_node:
+            raise ValueError(f"torus-sim: grid {self.X}x{self.Y} with {self.ranks_per_node} ranks per node "
+                             "is not a whole number of equal nodes")
+
+    @property
+    def N(self) -> int:
+        return self.X * self.Y
+
+    @property
+    def nodes(self) -> int:
+        return self.N // self.ranks_per_node
+
+    def world(self, rank: int, comm: str, peer: int) -> int:
+        """World rank of ``peer`` in ``rank``'s communicator ``comm`` (names as in plan.py)."""
+        X, L = self.X, self.ranks_per_node
+        if comm == "world":
+            return peer
+        if comm == "row":
+            return rank - rank % X + peer
+        if comm == "col":
+            return peer * X + rank % X
+        if comm == "local":
+            return rank - rank % L + peer
+        if comm == "cross":
+            return peer * L + rank % L
+        raise SimulationError(f"torus-sim on rank {rank}: unknown communicator {comm!r}")
+
+    def node(self, rank):
+        return rank // self.ranks_per_node

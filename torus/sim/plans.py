@@ -1,0 +1,211 @@
+"""Each rank's plan from the real schedule code, and the rotation that derives every rank's messages from a few.
+
+``plan(algorithm, collective, rank, layout, count)`` calls torus.algorithms.{ring,torus2d,hierarchical} exactly
+as ``TorusComm`` does (allreduce over ``count`` elements; reduce-scatter and all-gather over ``count`` elements
+in total, split into ``chunks(count, N)`` blocks, one per rank).
+
+Orbits (the fast path, see torus.sim): a ring plan is rotation-equivariant (rank ``r`` does what rank 0 does,
+with every peer and every chunk index shifted by ``r``), and a 2D-torus plan is equivariant under shifts along
+the column (rank ``(x, y)`` does what ``(x, 0)`` does, column peers and column chunk indices shifted by ``y``).
+To read chunk *indices* off a plan, the representative plan is built with a *labelled* count: one element per
+chunk (allreduce: ``count = N`` for the ring, ``X*Y`` for the torus, so that region offsets are chunk numbers;
+reduce-scatter/all-gather: unit blocks). The real sizes are then looked up in the real partition. Whether the
+derived messages equal the real plan's is checked by ``verify`` against real plans of sampled ranks at the
+real count (every rank in the tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from torus.algorithms import hierarchical, ring, torus2d
+from torus.partition import chunks
+from torus.sim.model import Layout, SimulationError
+
+ALGORITHMS = ("ring", "hierarchical", "torus2d")
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+
+
+def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int):
+    """The list of Steps ``rank`` runs; ``count`` in elements."""
+    N, X, Y, L = layout.N, layout.X, layout.Y, layout.ranks_per_node
+    x, y = rank % X, rank // X
+    if collective == "allreduce":
+        if algorithm == "ring":
+            return ring.allreduce("world", rank, N, count)
+        if algorithm == "torus2d":
+            return torus2d.allreduce(x, y, X, Y, count)
+        return hierarchical.allreduce(rank % L, L, rank // L, N // L, count)
+    counts, displs = chunks(count, N)
+    module = {"ring": ring, "torus2d": torus2d, "hierarchical": hierarchical}[algorithm]
+    fn = getattr(module, collective)
+    if algorithm == "ring":
+        return fn("world", rank, N, counts, displs)
+    if algorithm == "torus2d":
+        return fn(x, y, X, Y, counts, displs)
+    return fn(rank % L, L, rank // L, N // L, counts, displs)
+
+
+@dataclass
+class Arrays:
+    """Step-aligned messages of a set of ranks: at step ``s`` rank ``i`` (world rank ``world[i]``) receives
+    ``rb[s, i]`` elements from index ``rp[s, i]`` (-1: none; ``rr``: reduced) and sends ``sb[s, i]`` to
+    ``sp[s, i]``. Shapes (steps, ranks); ``row(s)`` gives one step's five rows."""
+    world: np.ndarray
+    rp: np.ndarray
+    rb: np.ndarray
+    rr: np.ndarray
+    sp: np.ndarray
+    sb: np.ndarray
+
+    @property
+    def nsteps(self) -> int:
+        return self.rp.shape[0]
+
+    def row(self, s: int, cols=slice(None)):
+        return self.rp[s, cols], self.rb[s, cols], self.rr[s, cols], self.sp[s, cols], self.sb[s, cols]
+
+
+@dataclass
+class RingArrays:
+    """``Arrays`` of a ring phase kept as rank 0's steps: rank ``i`` at step ``s`` talks to ``peer + i`` about
+    chunk ``chunk + i`` (mod size), so the (steps, ranks) tables are never stored."""
+    world: np.ndarray
+    real: np.ndarray  # chunk sizes of the real partition
+    recv: list  # per step: (peer, chunk, reduce) or None
+    send: list  # per step: (peer, chunk) or None
+
+    @property
+    def nsteps(self) -> int:
+        return len(self.recv)
+
+    def row(self, s: int, cols=None):
+        n = self.world.size
+        shift = np.arange(n) if cols is None else np.asarray(cols)
+        rp, rb, rr = np.full(shift.size, -1), np.zeros(shift.size, np.int64), np.zeros(shift.size, bool)
+        sp, sb = rp, rb
+        if self.recv[s] is not None:
+            peer, chunk, reduce = self.recv[s]
+            rb = self.real[(chunk + shift) % n]
+            rp = np.where(rb > 0, (peer + shift) % n, -1)
+            rr = np.full(shift.size, reduce)
+        if self.send[s] is not None:
+            peer, chunk = self.send[s]
+            sb = self.real[(chunk + shift) % n]
+            sp = np.where(sb > 0, (peer + shift) % n, -1)
+        return rp, rb, rr, sp, sb
+
+
+def _empty(S: int, n: int, world) -> Arrays:
+    neg = np.full((S, n), -1, np.int64)
+    zero = np.zeros((S, n), np.int64)
+    return Arrays(np.asarray(world, np.int64), neg, zero, np.zeros((S, n), bool), neg.copy(), zero.copy())
+
+
+def _one(msgs, what: str, rank: int, s: int):
+    if len(msgs) > 1:
+        raise SimulationError(f"torus-sim {what} on rank {rank}: step {s} has {len(msgs)} messages one way; "
+                              "the orbit fast path needs at most one")
+    return msgs[0] if msgs else None
+
+
+def extract(steps, rank: int, layout: Layout, index, what: str = "plan"):
+    """Per step ``(recv_peer, recv_count, reduce, send_peer, send_count)`` of one real plan; peers as
+    ``index(world_rank)``; -1/0 where there is no message (a zero-count message is none: the executor skips
+    it)."""
+    out = []
+    for s, step in enumerate(steps):
+        r = _one([m for m in step.recvs if m.count], what, rank, s)
+        m = _one([m for m in step.sends if m.count], what, rank, s)
+        out.append((index(layout.world(rank, r.comm, r.peer)) if r else -1, r.count if r else 0,
+                    bool(r and r.reduce), index(layout.world(rank, m.comm, m.peer)) if m else -1,
+                    m.count if m else 0))
+    return out
+
+
+def ring_orbit(size: int, count: int, comm: str, labelled_steps, world) -> RingArrays:
+    """Every rank's messages of a ring phase on ``size`` ranks (``world``: their world ranks, in comm order),
+    from rank 0's labelled steps (offsets are chunk numbers)."""
+    recv, send = [], []
+    for s, step in enumerate(labelled_steps):
+        r = _one([m for m in step.recvs if m.comm == comm], "ring orbit", 0, s)
+        m = _one([m for m in step.sends if m.comm == comm], "ring orbit", 0, s)
+        recv.append((r.peer, r.offset, r.reduce) if r else None)
+        send.append((m.peer, m.offset) if m else None)
+    return RingArrays(np.asarray(world, np.int64), np.asarray(chunks(count, size)[0], np.int64), recv, send)
+
+
+def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays:
+    """Every rank's step-aligned messages (world-rank indices) for ring or torus2d (any collective) and the
+    hierarchical reduce-scatter/all-gather (the torus plans on the local x cross grid)."""
+    N = layout.N
+    if algorithm == "ring":
+        if collective == "allreduce":
+            lab = ring.allreduce("world", 0, N, N)
+        else:
+            lab = getattr(ring, collective)("world", 0, N, [1] * N, list(range(N)))
+        return ring_orbit(N, count, "world", lab, np.arange(N))
+    if algorithm == "torus2d":
+        X, Y, row, col = layout.X, layout.Y, "row", "col"
+    elif collective != "allreduce":
+        X, Y, row, col = layout.ranks_per_node, N // layout.ranks_per_node, "local", "cross"
+    else:
+        raise SimulationError("torus-sim: hierarchical allreduce is not step-aligned; see torus.sim.simulate")
+    names = {row: "row", col: "col"}
+    ys = np.arange(Y)
+    if collective == "allreduce":
+        row_counts = np.asarray(chunks(count, X)[0], np.int64)
+        sub = [np.asarray(chunks(int(c), Y)[0], np.int64) for c in row_counts]
+        reps = [torus2d.allreduce(x, 0, X, Y, X * Y, row, col) for x in range(X)]
+    else:
+        counts = np.asarray(chunks(count, N)[0], np.int64)
+        seg = counts.reshape(Y, X).sum(axis=1)
+        unit, label = [1] * N, list(range(N))
+        reps = [getattr(torus2d, collective)(x, 0, X, Y, unit, label, row, col) for x in range(X)]
+    S = len(reps[0])
+    a = _empty(S, N, np.arange(N))
+    for x, steps in enumerate(reps):
+        if len(steps) != S:
+            raise SimulationError(f"torus-sim {algorithm} {collective}: ranks differ in step counts")
+        cols = ys * X + x  # world ranks of column x
+        for s, step in enumerate(steps):
+            for msgs, peer, nb, is_recv in ((step.recvs, a.rp, a.rb, True), (step.sends, a.sp, a.sb, False)):
+                m = _one(list(msgs), f"{algorithm} orbit", x, s)
+                if m is None:
+                    continue
+                if names[m.comm] == "row":
+                    dest = ys * X + m.peer
+                    if collective == "allreduce":
+                        n = np.full(Y, row_counts[m.offset // Y])
+                    else:
+                        n = counts[ys * X + m.offset % X]
+                else:
+                    dest = ((m.peer + ys) % Y) * X + x
+                    if collective == "allreduce":
+                        n = sub[x][(m.offset - x * Y + ys) % Y]
+                    else:
+                        n = seg[(m.offset // X + ys) % Y]
+                nb[s, cols] = n
+                peer[s, cols] = np.where(n > 0, dest, -1)
+                if is_recv:
+                    a.rr[s, cols] = m.reduce
+    return a
+
+
+def verify(a, algorithm: str, collective: str, layout: Layout, count: int, ranks) -> None:
+    """Raise SimulationError unless the orbit arrays equal the real plans of ``ranks`` (at the real count)."""
+    index = {int(w): i for i, w in enumerate(a.world)}.__getitem__
+    cols = [index(r) for r in ranks]
+    derived = [[] for _ in ranks]
+    for s in range(a.nsteps):
+        rp, rb, rr, sp, sb = a.row(s, cols)
+        for j in range(len(cols)):
+            derived[j].append((int(rp[j]), int(rb[j]), bool(rr[j]) and rp[j] >= 0, int(sp[j]), int(sb[j])))
+    for r, mine in zip(ranks, derived):
+        real = extract(plan(algorithm, collective, r, layout, count), r, layout, index)
+        real = [(rp, rb, rr and rp >= 0, sp, sb) for rp, rb, rr, sp, sb in real]
+        if real != mine:
+            bad = next((s for s, (u, v) in enumerate(zip(real, mine)) if u != v), min(len(real), len(mine)))
+            raise SimulationError(f"torus-sim {algorithm} {collective} on rank {r}: the rotated plan differs "
+                                  f"from the real plan at step {bad}; the orbit fast path does not apply")

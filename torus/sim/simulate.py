@@ -1,0 +1,131 @@
+"""``simulate``: one collective, one algorithm, one grid and size -> counts and predicted time (see torus.sim)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from torus.algorithms.plan import Step
+from torus.sim import plans as P
+from torus.sim import replay
+from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
+
+FULL_MAX_RANKS = 64  # method="auto" replays every rank's real plan up to this many ranks
+SAMPLES = 6  # ranks whose real plans are checked against the orbit at larger sizes
+
+
+@dataclass
+class Result:
+    """Per collective call. Bytes per rank: sent, reduced, sent to another node (max and mean over ranks);
+    ``inter_node_max``: bytes leaving the busiest node; ``steps``: messages in sequence on the critical path;
+    ``time``: seconds until the last rank finishes; ``tag_mismatches``: message pairs posted at different step
+    indices (the executor, which tags by step, would hang on them); ``method``: "full" or "orbit"."""
+    algorithm: str
+    collective: str
+    ranks: int
+    dims: str
+    ranks_per_node: int
+    count: int
+    nbytes: int
+    steps: int
+    msgs_max: float
+    msgs_mean: float
+    sent_max: float
+    sent_mean: float
+    reduced_max: float
+    reduced_mean: float
+    inter_rank_max: float
+    inter_node_max: float
+    time: float
+    tag_mismatches: int
+    method: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _result(algorithm, collective, layout, count, itemsize, time, depth, st, mismatches, method) -> Result:
+    node = np.arange(layout.N) // layout.ranks_per_node
+    per_node = np.bincount(node, weights=st["inter"], minlength=layout.nodes)
+    return Result(algorithm, collective, layout.N, f"{layout.X}x{layout.Y}", layout.ranks_per_node, count,
+                  count * itemsize, int(depth), float(st["msgs"].max()), float(st["msgs"].mean()),
+                  float(st["sent"].max()), float(st["sent"].mean()), float(st["reduced"].max()),
+                  float(st["reduced"].mean()), float(st["inter"].max()), float(per_node.max()), float(time),
+                  int(mismatches), method)
+
+
+def _samples(n: int) -> list[int]:
+    rng = np.random.default_rng(n)
+    return sorted({0, 1 % n, n // 2, n - 1, *rng.integers(0, n, SAMPLES - 4).tolist()})
+
+
+def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype: str = "float32",
+             cost: Cost = Cost(), method: str = "auto") -> Result:
+    """Replay ``collective`` by ``algorithm`` on ``layout`` for ``count`` elements of ``dtype``.
+
+    ``count``: elements of the all-reduce buffer, or of the whole reduce-scatter input / all-gather output.
+    ``method``: "full" replays every rank's real plan; "orbit" derives all ranks from representatives
+    (checked against real plans of sampled ranks); "auto" picks full up to FULL_MAX_RANKS ranks.
+    Raises ValueError for unknown names, SimulationError for a plan that cannot run.
+    """
+    if algorithm not in P.ALGORITHMS or collective not in P.COLLECTIVES or dtype not in ITEMSIZE:
+        raise ValueError(f"torus-sim: unknown algorithm/collective/dtype {algorithm}/{collective}/{dtype}")
+    itemsize = ITEMSIZE[dtype]
+    if method == "auto":
+        method = "full" if layout.N <= FULL_MAX_RANKS else "orbit"
+    if method == "full":
+        plans = {r: P.plan(algorithm, collective, r, layout, count) for r in range(layout.N)}
+        end, st, mism = replay.full(plans, layout, cost, itemsize)
+        time = max(t for t, _ in end.values())
+        depth = max(d for _, d in end.values())
+        return _result(algorithm, collective, layout, count, itemsize, time, depth, st, mism, "full")
+    if method != "orbit":
+        raise ValueError(f"torus-sim: unknown method {method!r}")
+    if algorithm == "hierarchical" and collective == "allreduce":
+        return _hierarchical_allreduce(layout, count, itemsize, cost)
+    a = P.orbit(algorithm, collective, layout, count)
+    P.verify(a, algorithm, collective, layout, count, _samples(layout.N))
+    T, D, st = replay.lockstep(a, layout, cost, itemsize)
+    return _result(algorithm, collective, layout, count, itemsize, T.max(), D.max(), st, 0, "orbit")
+
+
+def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cost) -> Result:
+    """Nodes run identical node-local phases (the local chunks do not depend on the node), so one node is
+    replayed in full before and after the leaders' cross-node ring, which runs as an orbit over all leaders.
+    The node whose leader finishes the ring last finishes last (the replay is monotone in start times)."""
+    L, C = layout.ranks_per_node, layout.nodes
+    node0 = {l: P.plan("hierarchical", "allreduce", l, layout, count) for l in range(L)}
+    crosses = [s for s, st in enumerate(node0[0]) if any(m.comm == "cross" for m in st.sends + st.recvs)]
+    a, b = (crosses[0], crosses[-1] + 1) if crosses else (len(node0[0]), len(node0[0]))
+    mism = replay.match({l: [Step(tuple(m for m in st.sends if m.comm != "cross"),
+                                  tuple(m for m in st.recvs if m.comm != "cross"), st.scale) for st in p]
+                         for l, p in node0.items()}, layout)[3]
+    pre, st_pre, _ = replay.full({l: p[:a] for l, p in node0.items()}, layout, cost, itemsize)
+    t_c, d_c = np.full(C, pre[0][0]), np.full(C, pre[0][1], np.int64)
+    cross = {k: np.zeros(C) for k in st_pre}
+    if crosses:
+        labelled = P.plan("hierarchical", "allreduce", 0, layout, C)
+        steps = [st for st in labelled if any(m.comm == "cross" for m in st.sends + st.recvs)]
+        arr = P.ring_orbit(C, count, "cross", steps, np.arange(C) * L)
+        for n in _samples(C):
+            real = P.plan("hierarchical", "allreduce", n * L, layout, count)[a:b]
+            got = P.extract(real, n * L, layout, lambda w: w // L, "hierarchical cross")
+            want = [(int(rp[0]), int(rb[0]), bool(rr[0]), int(sp[0]), int(sb[0]))
+                    for rp, rb, rr, sp, sb in (arr.row(s, [n]) for s in range(arr.nsteps))]
+            if [(p, c, r and p >= 0, q, d) for p, c, r, q, d in got] != \
+                    [(p, c, r and p >= 0, q, d) for p, c, r, q, d in want]:
+                raise SimulationError(f"torus-sim hierarchical allreduce on rank {n * L}: the rotated cross "
+                                      "ring differs from the real plan")
+        t_c, d_c, cross = replay.lockstep(arr, layout, cost, itemsize, t_c, d_c)
+    start = {l: pre[l] for l in range(L)}
+    start[0] = (float(t_c.max()), int(d_c.max()))
+    post, st_post, _ = replay.full({l: (p[b:] if l == 0 else p[a:]) for l, p in node0.items()}, layout, cost,
+                                   itemsize, start)
+    st = {}
+    for k in st_pre:
+        per = np.tile(st_pre[k] + st_post[k], C)
+        per[::L] += cross[k]
+        st[k] = per
+    time = max(t for t, _ in post.values())
+    depth = max(d for _, d in post.values())
+    return _result("hierarchical", "allreduce", layout, count, itemsize, time, depth, st, mism, "orbit")
