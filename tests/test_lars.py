@@ -71,6 +71,22 @@ def test_separate_exclusion_lists(rng):
         np.testing.assert_allclose(got[k], want, rtol=2e-5, atol=2e-6, err_msg=k)
 
 
+def test_sparse_gradient_equals_dense(rng):
+    init = rng.standard_normal((6, 3)).astype(np.float32)
+    values = rng.standard_normal((4, 3)).astype(np.float32)
+    sparse = tf.IndexedSlices(tf.constant(values), tf.constant([0, 2, 0, 5]), tf.constant([6, 3]))
+    dense = tf.convert_to_tensor(sparse)  # rows 0 summed twice
+    got = []
+    for g in (sparse, dense):
+        v = keras.Variable(init, name="embeddings")
+        LARS(learning_rate=1.0, trust_coefficient=0.1).apply_gradients([(g, v)])
+        got.append(v.numpy())
+    want = reference(init, [dense.numpy()], lr=1.0, m=0.9, eta=0.1, beta=0.0, eps=1e-6, nesterov=False,
+                     adapt=True, decay=True)
+    np.testing.assert_allclose(got[0], want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(got[0], got[1])
+
+
 def test_zero_everything_stays_finite():
     opt = LARS(learning_rate=1.0, epsilon=0.0)
     got = run(opt, {"kernel": np.zeros((3, 3), np.float32)}, [{"kernel": np.zeros((3, 3), np.float32)}] * 2)

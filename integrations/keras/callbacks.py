@@ -27,11 +27,33 @@ class BroadcastInitialState(keras.callbacks.Callback):
         self.strategy.broadcast_variables(list(model.variables) + list(optimizer.variables))
 
 
+def loss_samples(model) -> float:
+    """Samples behind the model's current loss value (its loss tracker's count); 1.0 without a tracker."""
+    for metric in model.metrics:
+        if metric.name == "loss" and hasattr(metric, "count"):
+            return float(np.asarray(metric.count))
+    return 1.0
+
+
+def average_logs(torus_comm, logs: dict, samples: float, keys=None) -> dict:
+    """Replace ``logs[k]`` (numeric scalars; all keys or ``keys``) by ``sum_r n_r * v_r / sum_r n_r`` over ranks,
+    with ``n_r = samples`` on rank r. Collective (one small all-reduce); returns ``logs``."""
+    keys = sorted(k for k in (logs if keys is None else keys) if np.ndim(logs[k]) == 0 and np.isreal(logs[k]))
+    local = np.array([samples] + [samples * float(logs[k]) for k in keys], np.float64)
+    total = torus_comm.allreduce(local, op="sum", algorithm="native")
+    for k, v in zip(keys, total[1:]):
+        logs[k] = float(v / total[0])
+    return logs
+
+
 class MetricAverage(keras.callbacks.Callback):
-    """Makes fit's and evaluate's logs global: every numeric value becomes the mean over ranks weighted by the
-    number of samples each rank saw (``sum_r n_r * v_r / sum_r n_r``), exact for sample-weighted means such as
-    the loss and accuracy. ``n_r`` is read from the loss tracker's sample count; without one, ranks weigh
-    equally. One small all-reduce per epoch (train logs) and per evaluation (validation logs), on every rank.
+    """Makes fit's epoch logs global: every numeric value becomes the mean over ranks weighted by the number
+    of samples each rank saw (``sum_r n_r * v_r / sum_r n_r``), exact for sample-weighted means such as the
+    loss and accuracy. ``n_r`` is the loss tracker's sample count (training and validation counted apart);
+    without a loss tracker ranks weigh equally. One small all-reduce per epoch, on every rank.
+
+    Keras hands ``on_test_end`` a copy of evaluate's logs, so a callback cannot change what ``evaluate``
+    returns: use ``strategy.average_logs(model, model.evaluate(..., return_dict=True))`` for that.
     """
 
     def __init__(self, strategy):
@@ -39,33 +61,17 @@ class MetricAverage(keras.callbacks.Callback):
         self.strategy = strategy
         self._train_samples = self._test_samples = 1.0
 
-    def _samples(self) -> float:
-        for metric in self.model.metrics:
-            if metric.name == "loss" and hasattr(metric, "count"):
-                return float(np.asarray(metric.count))
-        return 1.0
-
     def on_train_batch_end(self, batch, logs=None):
-        self._train_samples = self._samples()
+        self._train_samples = loss_samples(self.model)
 
     def on_test_batch_end(self, batch, logs=None):
-        self._test_samples = self._samples()
-
-    def _average(self, logs, keys, samples: float) -> None:
-        keys = sorted(k for k in keys if np.ndim(logs[k]) == 0 and np.isreal(logs[k]))
-        local = np.array([samples] + [samples * float(logs[k]) for k in keys], np.float64)
-        total = self.strategy.torus_comm.allreduce(local, op="sum", algorithm="native")
-        for k, v in zip(keys, total[1:]):
-            logs[k] = float(v / total[0])
-
-    def on_test_end(self, logs=None):
-        if logs:
-            self._average(logs, list(logs), self._test_samples)
+        self._test_samples = loss_samples(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
-        # val_* entries were averaged by on_test_end already (fit's evaluate returns that same dict).
         if logs:
-            self._average(logs, [k for k in logs if not k.startswith("val_")], self._train_samples)
+            comm = self.strategy.torus_comm
+            average_logs(comm, logs, self._train_samples, [k for k in logs if not k.startswith("val_")])
+            average_logs(comm, logs, self._test_samples, [k for k in logs if k.startswith("val_")])
 
 
 class BatchControl(keras.callbacks.Callback):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 # Batch-norm parameters and biases: the parameters LARS papers leave out of weight decay and of the trust
@@ -25,7 +26,8 @@ class LARS(keras.optimizers.Optimizer):
     a ``keras.optimizers.schedules.LearningRateSchedule``), norms Euclidean over the whole variable. A variable
     excluded from layer adaptation uses λ = 1 (plain momentum SGD); one excluded from weight decay uses β = 0 in
     both the ratio and the update. The velocity ``v`` is one slot per variable, of the variable's shape and
-    dtype. Norms and the update are computed in the variable's dtype; λ is finite for any finite input (the
+    dtype. Sparse gradients (``tf.IndexedSlices``, from ``Embedding``) are made dense first, so the ratio and
+    the update equal those of the dense gradient. Norms and the update are computed in the variable's dtype; λ is finite for any finite input (the
     zero guard above, plus ε > 0 in the denominator).
 
     Difference from TF Model Garden's ``LARS`` (``official/modeling/optimization/lars.py``): it uses
@@ -100,7 +102,10 @@ class LARS(keras.optimizers.Optimizer):
         index = self._get_variable_index(variable)
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)
-        g = ops.cast(ops.convert_to_tensor(gradient), dtype)  # IndexedSlices become dense: ‖g‖ needs them
+        if isinstance(gradient, tf.IndexedSlices):
+            # Densify (summing repeated rows): ‖g‖ of the raw slices would count a repeated row twice.
+            gradient = tf.convert_to_tensor(gradient)
+        g = ops.cast(gradient, dtype)
         w = ops.convert_to_tensor(variable)
         beta = self.lars_weight_decay if self._decay[index] else 0.0
         if beta:

@@ -125,6 +125,12 @@ class TorusStrategy(tf.distribute.Strategy):
         """Give every rank rank ``root``'s values (eager, collective); see ``loop.broadcast_variables``."""
         broadcast_variables(self.torus_comm, variables, root)
 
+    def average_logs(self, model, logs: dict) -> dict:
+        """Global values of ``model.evaluate(..., return_dict=True)``'s logs: call right after evaluate, on
+        every rank (collective); weights each rank by its sample count. Returns ``logs``, updated in place."""
+        from torus.integrations.keras.callbacks import average_logs, loss_samples
+        return average_logs(self.torus_comm, logs, loss_samples(model))
+
     def callbacks(self) -> list:
         """The callbacks ``model.fit`` needs: initial-state broadcast (first) and metric averaging."""
         from torus.integrations.keras.callbacks import BroadcastInitialState, MetricAverage

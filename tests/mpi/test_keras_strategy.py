@@ -1,0 +1,186 @@
+"""TorusStrategy and the custom-loop helpers: N ranks with global batch B step exactly like one process with
+batch B (the reference runs on every rank, on the full batch), and ranks stay bitwise identical.
+
+Runs at 1, 2 and 3 ranks only (TensorFlow is heavy on the 2-core test machine). About 40 s at 3 ranks.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+if MPI.COMM_WORLD.Get_size() not in (1, 2, 3):
+    pytest.skip("Keras tests run at 1, 2 and 3 ranks only", allow_module_level=True)
+
+tf = pytest.importorskip("tensorflow")
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+import keras  # noqa: E402
+
+from torus.integrations.keras import LARS, TorusStrategy  # noqa: E402
+
+B, STEPS = 12, 5  # global batch (divisible by 1, 2, 3) and steps per test
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return TorusStrategy()
+
+
+def rank_rows(n_rows: int, size: int, rank: int) -> np.ndarray:
+    """Row indices this rank feeds: its contiguous 1/size of every global batch of B rows."""
+    b = B // size
+    return np.concatenate([np.arange(k * B + rank * b, k * B + (rank + 1) * b) for k in range(n_rows // B)])
+
+
+def data(seed=0, n=B * STEPS, features=6):
+    rng = np.random.default_rng(seed)  # same on every rank
+    return rng.standard_normal((n, features)).astype(np.float32), rng.integers(0, 3, n)
+
+
+def dense_model():
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(9, activation="tanh"), keras.layers.Dense(3)])
+
+
+def initial_weights(model, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(w.shape).astype(np.float32) * 0.5 for w in model.get_weights()]
+
+
+def compile_(model, optimizer=None, **kw):
+    model.compile(optimizer or LARS(learning_rate=0.5, trust_coefficient=0.02, weight_decay=1e-3),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False, **kw)
+
+
+class Record(keras.callbacks.Callback):
+    """Weights after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append([np.array(w) for w in self.model.get_weights()])
+
+
+def assert_identical_across_ranks(world, arrays, what):
+    blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+    every = world.allgather(blob)
+    assert all(x == every[0] for x in every), f"{what}: weights differ between ranks on rank {world.rank}"
+
+
+def reference_fit(x, y, build=dense_model, weights=None, **fit_kw):
+    model = build()
+    model.set_weights(weights)
+    compile_(model, metrics=["accuracy"])
+    rec = Record()
+    hist = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0, callbacks=[rec], **fit_kw)
+    return rec.steps, hist.history, model
+
+
+def strategy_fit(strategy, x, y, build=dense_model, weights=None, perturb=True, **fit_kw):
+    """Fit on this rank's rows; ranks start from different weights so the broadcast is exercised."""
+    with strategy.scope():
+        model = build()
+        model.set_weights([w + (strategy.rank if perturb else 0) for w in weights])
+        compile_(model, metrics=["accuracy"])
+    rows = rank_rows(len(x), strategy.size, strategy.rank)
+    rec = Record()
+    hist = model.fit(x[rows], y[rows], batch_size=B // strategy.size, epochs=1, shuffle=False, verbose=0,
+                     callbacks=strategy.callbacks() + [rec], **fit_kw)
+    return rec.steps, hist.history, model
+
+
+def test_fit_matches_one_process_and_metrics_are_global(world, strategy):
+    x, y = data()
+    xv, yv = data(seed=7, n=31)
+    w0 = initial_weights(dense_model())
+    # validation rows split unevenly (31 over N ranks): checks the sample-count weighting.
+    mine = np.array_split(np.arange(31), strategy.size)[strategy.rank]
+    steps, hist, model = strategy_fit(strategy, x, y, weights=w0, validation_data=(xv[mine], yv[mine]))
+    ref_steps, ref_hist, ref_model = reference_fit(x, y, weights=w0, validation_data=(xv, yv))
+    assert len(steps) == len(ref_steps) == STEPS
+    for k, (got, want) in enumerate(zip(steps, ref_steps)):
+        assert_identical_across_ranks(world, got, f"fit step {k}")
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"fit step {k}")
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        assert hist[key][0] == pytest.approx(ref_hist[key][0], rel=1e-5, abs=1e-6), key
+    got = strategy.average_logs(model, model.evaluate(xv[mine], yv[mine], batch_size=4, verbose=0,
+                                                      return_dict=True))
+    want = ref_model.evaluate(xv, yv, batch_size=4, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), f"evaluate {key}"
+
+
+def test_fp16_compression_close_to_float32(world):
+    strategy = TorusStrategy(compression="fp16", algorithm="ring")
+    x, y = data(seed=3)
+    w0 = initial_weights(dense_model(), seed=4)
+    steps, _, _ = strategy_fit(strategy, x, y, weights=w0)
+    ref_steps, _, _ = reference_fit(x, y, weights=w0)
+    for k, got in enumerate(steps):
+        assert_identical_across_ranks(world, got, f"fp16 step {k}")
+    # fp16 keeps 11 significant bits: each reduced gradient element is off by <= ~2**-11 relative per hop.
+    for g, w in zip(steps[-1], ref_steps[-1]):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-3)
+
+
+def test_custom_loop_matches_one_process(world, strategy):
+    x, y = data(seed=5)
+    model, ref = dense_model(), dense_model()
+    w0 = initial_weights(model, seed=6)
+    model.set_weights([w + strategy.rank for w in w0])
+    ref.set_weights(w0)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = LARS(learning_rate=0.5, trust_coefficient=0.02, weight_decay=1e-3, nesterov=True)
+    ref_opt = LARS(learning_rate=0.5, trust_coefficient=0.02, weight_decay=1e-3, nesterov=True)
+    opt.build(model.trainable_variables)
+    strategy.broadcast_variables(model.variables + opt.variables)
+
+    def make_step(m, o, reduce):
+        @tf.function(jit_compile=False)
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, m(xb, training=True))
+            grads = tape.gradient(loss, m.trainable_variables)
+            if reduce:
+                grads = strategy.allreduce_gradients(grads)
+            o.apply_gradients(zip(grads, m.trainable_variables))
+        return step
+
+    step, ref_step = make_step(model, opt, True), make_step(ref, ref_opt, False)
+    b = B // strategy.size
+    for k in range(STEPS):
+        lo = k * B + strategy.rank * b
+        step(x[lo:lo + b], y[lo:lo + b])
+        ref_step(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+        got = model.get_weights()
+        assert_identical_across_ranks(world, got, f"custom loop step {k}")
+        for g, w in zip(got, ref.get_weights()):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"custom loop step {k}")
+
+
+def embedding_model():
+    return keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(20, 5),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+
+def test_embedding_sparse_gradient_matches_one_process(world, strategy):
+    rng = np.random.default_rng(8)
+    x = rng.integers(0, 20, (B * 3, 4)).astype(np.int32)
+    y = rng.integers(0, 3, B * 3)
+    w0 = initial_weights(embedding_model(), seed=9)
+    steps, _, _ = strategy_fit(strategy, x, y, build=embedding_model, weights=w0)
+    ref_steps, _, _ = reference_fit(x, y, build=embedding_model, weights=w0)
+    for k, (got, want) in enumerate(zip(steps, ref_steps)):
+        assert_identical_across_ranks(world, got, f"embedding step {k}")
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"embedding step {k}")
+
+
+def test_jit_compile_is_refused(strategy):
+    with strategy.scope():
+        model = dense_model()
+        model.compile(LARS(), keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    x, y = data(n=B)
+    with pytest.raises(ValueError, match="jit_compile=False"):
+        model.fit(x, y, batch_size=B // strategy.size, verbose=0, callbacks=strategy.callbacks())
