@@ -164,3 +164,9 @@ def test_itemsizes_match_numpy():
     from torus.ops import DTYPES
     assert {str(d): d.itemsize for d in DTYPES} == ITEMSIZE
     assert np.dtype("float32").itemsize == ITEMSIZE["float32"]
+
+
+def test_fit_alpha_beta_recovers_line():
+    from torus.sim.fit import fit_alpha_beta
+    sizes = [4 ** k for k in range(1, 12)]
+    assert fit_alpha_beta([(b, 3e-6 + 2e-10 * b) for b in sizes]) == pytest.approx((3e-6, 2e-10), rel=1e-9)

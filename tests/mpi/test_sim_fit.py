@@ -1,0 +1,35 @@
+"""torus-sim --fit/--validate building blocks under mpiexec: ping-pong pairs up, the reduce rate is measured,
+and validate's predictions are the simulator's. No timing is asserted (the machine is shared); under 2 s."""
+import numpy as np
+import pytest
+
+from torus import TorusComm
+from torus.sim import fit
+from torus.sim.model import Cost, Layout
+from torus.sim.simulate import simulate
+
+
+def test_pingpong_and_reduce_rate(world):
+    if world.Get_size() < 2:
+        pytest.skip("ping-pong needs two ranks")
+    pts = fit.pingpong(world, sizes=(4, 4096), reps=3)
+    if world.Get_rank() < 2:
+        assert [n for n, _ in pts] == [4, 4096] and all(t > 0 for _, t in pts)
+    else:
+        assert pts == []
+    gamma, rpts = fit.reduce_rate(sizes=(1 << 12, 1 << 16), reps=2)
+    assert gamma >= 0 and len(rpts) == 2
+
+
+def test_validate_predictions_are_the_simulators(world):
+    tc = TorusComm(check=False)
+    cost = Cost(2e-6, 1e-10, 3e-10, segment_bytes=tc.segment_bytes)
+    rows = fit.validate(tc, cost, sizes=(4096,), algorithms=("ring", "torus2d"), iters=2)
+    X, Y = tc.dims
+    for r in rows:
+        assert r["measured"] > 0
+        want = simulate(r["algorithm"], "allreduce", Layout(X, Y, tc.size), 1024, "float32", cost).time
+        assert r["predicted"] == want
+        # every rank reports the same slowest-rank time
+        assert np.allclose(world.allgather(r["measured"]), r["measured"])
+    tc.Free()

@@ -1,0 +1,149 @@
+"""``torus-sim --fit`` and ``--validate``: α, β, γ measured on this machine, and the model checked against
+measured ``TorusComm.allreduce`` times.
+
+``--fit`` (``mpiexec -n 2``): α and β by least squares on ping-pong half round trips between ranks 0 and 1
+(Hockney's fit; relative residuals, so small messages count as much as large ones); γ as the slope of
+``torus.kernels.reduce_into`` time over bytes reduced (float32 sum, the thread count ``TorusComm`` would give
+each rank). ``--validate`` (``mpiexec -n K``): for each algorithm and size, the slowest rank's
+``TorusComm.allreduce`` time (the fastest of the iterations, see ``_best_time``), next to ``simulate`` with the
+fitted parameters and the executor's segment size, all ranks on one node. Both write rank 0's numbers to
+``--json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from torus import kernels
+from torus.bench.sweep import format_size
+from torus.sim.model import Cost, Layout
+from torus.sim.simulate import simulate
+
+PINGPONG_SIZES = tuple(4 ** k for k in range(1, 13))  # 4 B .. 16 MiB
+REDUCE_SIZES = tuple(1 << k for k in range(16, 26, 3))  # 64 KiB .. 32 MiB
+VALIDATE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
+
+
+def _best_time(fn, reps: int) -> float:
+    """The fastest of ``reps`` calls: on a machine shared with other jobs the minimum is the least disturbed
+    estimate of the uncontended cost (the median mostly measures the neighbours)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.min(times))
+
+
+def pingpong(comm, sizes=PINGPONG_SIZES, reps: int = 50) -> list[tuple[int, float]]:
+    """(bytes, seconds one way) between ranks 0 and 1; other ranks idle. Collective over ``comm``."""
+    rank = comm.Get_rank()
+    out = []
+    for n in sizes:
+        buf = np.ones(n, np.uint8)
+        comm.Barrier()
+        if rank > 1:
+            continue
+        peer = 1 - rank
+
+        def once():
+            if rank == 0:
+                comm.Send(buf, peer, 7)
+                comm.Recv(buf, peer, 7)
+            else:
+                comm.Recv(buf, peer, 7)
+                comm.Send(buf, peer, 7)
+        once()
+        out.append((n, _best_time(once, max(3, reps if n < 1 << 20 else reps // 4)) / 2))
+    return out
+
+
+def fit_alpha_beta(points) -> tuple[float, float]:
+    """Least squares of ``t = α + β·b`` with residuals relative to ``t``; both clipped at zero."""
+    b = np.array([p[0] for p in points], float)
+    t = np.array([p[1] for p in points], float)
+    A = np.stack([np.ones_like(b), b], axis=1) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    return max(float(alpha), 0.0), max(float(beta), 0.0)
+
+
+def reduce_rate(sizes=REDUCE_SIZES, reps: int = 10) -> tuple[float, list]:
+    """γ (s per byte reduced) as the least-squares slope of reduce_into time over bytes; and the points."""
+    pts = []
+    for n in sizes:
+        acc, src = np.ones(n // 4, np.float32), np.ones(n // 4, np.float32)
+        kernels.reduce_into(acc, src, "sum")
+        pts.append((n, _best_time(lambda: kernels.reduce_into(acc, src, "sum"), reps)))
+    slope = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0]
+    return max(float(slope), 0.0), pts
+
+
+def measure_allreduce(tc, algorithm: str, nbytes: int, iters: int = 20) -> float:
+    """Fastest over ``iters`` calls of the slowest rank's time for one float32 all-reduce of ``nbytes``."""
+    buf = np.ones(nbytes // 4, np.float32)
+    tc.allreduce(MPI.IN_PLACE, buf, algorithm=algorithm)
+    times = []
+    for _ in range(iters):
+        tc.comm.Barrier()
+        t = time.perf_counter()
+        tc.allreduce(MPI.IN_PLACE, buf, algorithm=algorithm)
+        times.append(tc.comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+    return float(np.min(times))
+
+
+def validate(tc, cost: Cost, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical"),
+             iters: int = 20) -> list[dict]:
+    """Measured and predicted all-reduce times on ``tc`` (a TorusComm), all ranks on one node. Collective."""
+    X, Y = tc.dims
+    layout = Layout(X, Y, tc.size)
+    rows = []
+    for algo in algorithms:
+        for n in sizes:
+            measured = measure_allreduce(tc, algo, n, iters)
+            predicted = simulate(algo, "allreduce", layout, n // 4, "float32", cost).time
+            rows.append({"ranks": tc.size, "dims": f"{X}x{Y}", "algorithm": algo, "nbytes": n,
+                         "measured": measured, "predicted": predicted, "ratio": predicted / measured})
+    return rows
+
+
+def main(args, cost: Cost) -> int:
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size < 2:
+        print("torus-sim --fit/--validate: run under mpiexec with at least 2 ranks")
+        return 2
+    kernels.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # as TorusComm on one node
+    if args.fit:
+        points = pingpong(comm)
+        gamma, reduce_pts = reduce_rate() if rank == 0 else (0.0, [])
+        if rank == 0:
+            alpha, beta = fit_alpha_beta(points)
+            print(f"{'bytes':>9} {'one-way us':>11} {'fit us':>9}")
+            for n, t in points:
+                print(f"{format_size(n):>9} {t * 1e6:>11.2f} {(alpha + beta * n) * 1e6:>9.2f}")
+            print(f"alpha = {alpha:.3e} s   beta = {beta:.3e} s/B ({1e-9 / beta if beta else float('inf'):.2f}"
+                  f" GB/s)   gamma = {gamma:.3e} s/B ({1e-9 / gamma if gamma else float('inf'):.2f} GB/s)")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"alpha": alpha, "beta": beta, "gamma": gamma, "ranks": size,
+                               "pingpong": points, "reduce": reduce_pts}, f, indent=1)
+        return 0
+    from torus import TorusComm
+    tc = TorusComm(check=False)
+    cost = Cost(**{**cost.__dict__, "segment_bytes": tc.segment_bytes})
+    rows = validate(tc, cost)
+    if rank == 0:
+        print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, load average {os.getloadavg()[0]:.1f}, {cost}")
+        print(f"{'algorithm':>12} {'size':>6} {'measured ms':>12} {'predicted ms':>13} {'pred/meas':>9}")
+        for r in rows:
+            print(f"{r['algorithm']:>12} {format_size(r['nbytes']):>6} {r['measured'] * 1e3:>12.4f} "
+                  f"{r['predicted'] * 1e3:>13.4f} {r['ratio']:>9.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"cost": cost.__dict__, "rows": rows}, f, indent=1)
+    tc.Free()
+    return 0
