@@ -1,0 +1,64 @@
+"""Stall timeouts: one rank does not call (or fails before its first message), and every other rank raises
+torus.errors.TimeoutError naming its operation and rank, and where it waited: the argument check (check on)
+or the step and peer of the schedule (check off).
+
+The communicator of each case is left behind unused afterwards (its abandoned requests never complete; the
+timeout message says it is unusable). Dead ranks, which end the job, are in tests/test_faults_subprocess.py.
+Budget: 5 cases of one 2-second timeout each, about 12 s per K.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import torus
+from oracle import SIZE, WORLD
+
+RANK, LAST = WORLD.Get_rank(), SIZE - 1
+
+pytestmark = pytest.mark.skipif(SIZE < 2, reason="a stall needs a second rank")
+
+
+def call(tc, collective: str, algorithm: str, dtype=np.float64, op="sum"):
+    x = np.ones(4 * SIZE, dtype)
+    if collective == "allreduce":
+        return tc.allreduce(x, op=op, algorithm=algorithm)
+    if collective == "reduce_scatter":
+        return tc.reduce_scatter(x, op=op, algorithm=algorithm)
+    return tc.allgather(x, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("collective, algorithm, check", [
+    ("allreduce", "ring", False),
+    ("allreduce", "torus2d", True),
+    ("reduce_scatter", "hierarchical", False),
+    ("allgather", "ring", False),
+])
+def test_absent_rank_times_out_the_others(monkeypatch, collective, algorithm, check):
+    monkeypatch.setenv("TORUS_TIMEOUT", "2")  # read by TorusComm(), as a job would set it
+    tc = torus.TorusComm(check=check, ranks_per_node=2)
+    algo = "ring" if algorithm == "hierarchical" and SIZE % 2 else algorithm  # uneven nodes fall back
+    if RANK != LAST:
+        with pytest.raises(torus.TimeoutError) as info:
+            call(tc, collective, algorithm)
+        msg = str(info.value)
+        assert msg.startswith(f"{collective}({algo}) on rank {RANK}: no progress for 2 s "), msg
+        where = "in the argument check" if check else "at step "
+        assert where in msg and "abort the job" in msg, msg
+        if not check:
+            assert "waiting on rank " in msg, msg
+    WORLD.Barrier()
+
+
+def test_local_error_on_one_rank_times_out_the_others():
+    """A rank whose arguments fail its own validation raises at once; it never reaches the signature
+    exchange, so the others wait there until the timeout (an uncaught error on that rank ends the job
+    sooner, with torus.faults.abort_on_exception)."""
+    tc = torus.TorusComm(timeout=2)
+    if RANK == LAST:
+        with pytest.raises(TypeError, match=f"allreduce on rank {RANK}: op 'avg' is not defined"):
+            call(tc, "allreduce", "ring", dtype=np.int64, op="avg")
+    else:
+        with pytest.raises(torus.TimeoutError, match=f"allreduce\\(ring\\) on rank {RANK}: .* argument check"):
+            call(tc, "allreduce", "ring", dtype=np.int64)
+    WORLD.Barrier()
