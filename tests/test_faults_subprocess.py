@@ -1,0 +1,99 @@
+"""A rank that dies or leaves in the middle of a sequence of all-reduces ends the whole job, non-zero, within a
+bound, and the survivors say why. Each test launches its own ``mpiexec -n 3`` of this file (the worker at the
+bottom): rank 2 leaves before the third all-reduce; the others keep calling.
+
+How each kind of leaving ends the job (see torus/faults.py): a signal or ``os._exit`` -- hydra kills the rest;
+an uncaught exception -- torus.faults.abort_on_exception calls MPI_Abort on that rank; ``sys.exit`` (any
+status) or a rank stuck elsewhere -- the survivors' stall timeout (TORUS_TIMEOUT=3 here) raises TimeoutError,
+uncaught, so they abort. The 60 s bound is generous (a correctness property: the job ends), not a speed check.
+Budget: 8 jobs of 3 ranks, about 5 s each, about 45 s in all.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BOUND_S = 60
+
+
+def _fail():
+    raise RuntimeError("rank 2 fails on purpose")
+
+
+LEAVE = {
+    "exception": _fail,
+    "sys.exit(0)": lambda: sys.exit(0),
+    "sys.exit(1)": lambda: sys.exit(1),
+    "stuck": lambda: time.sleep(10 * BOUND_S),
+    "os._exit(0)": lambda: os._exit(0),
+    "os._exit(1)": lambda: os._exit(1),
+    "SIGKILL": lambda: os.kill(os.getpid(), signal.SIGKILL),
+}
+# What the survivors must print: torus' own report where torus ends the job; hydra's report otherwise.
+TORUS_ENDS_IT = {"sys.exit(0)", "sys.exit(1)", "stuck"}
+
+
+def _mpiexec() -> str:
+    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+
+def _job(mode: str, check: bool) -> tuple[int, float, str]:
+    """Run the worker under ``mpiexec -n 3``; return (exit status, seconds, merged output). The job runs in
+    its own session so that a job that outlives the bound is killed whole (launcher, proxy and ranks)."""
+    cmd = [_mpiexec(), "-n", "3", sys.executable, __file__, mode, "check" if check else "nocheck"]
+    env = dict(os.environ, TORUS_TIMEOUT="3", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=BOUND_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec with rank 2 leaving by {mode} still ran after {BOUND_S + 30} s:\n{out[-3000:]}")
+    return proc.returncode, time.monotonic() - t0, out
+
+
+@pytest.mark.parametrize("mode, check", [(m, True) for m in LEAVE] + [("sys.exit(1)", False)])
+def test_a_leaving_rank_ends_the_job(mode, check):
+    rc, seconds, out = _job(mode, check)
+    tail = out[-3000:]
+    assert rc != 0, f"exit status 0 with rank 2 leaving by {mode}:\n{tail}"
+    assert seconds < BOUND_S, f"the job took {seconds:.0f} s (bound {BOUND_S} s):\n{tail}"
+    assert f"rank 2 leaves by {mode}" in out, tail
+    assert "finished" not in out, tail
+    if mode == "exception":
+        assert "[rank 2] uncaught RuntimeError" in out and "rank 2 fails on purpose" in out, tail
+    elif mode in TORUS_ENDS_IT:
+        # The first survivor to time out aborts the job; it names the operation, its rank and where it waited.
+        where = "in the argument check" if check else "at step "
+        survivors = [r for r in (0, 1) if f"allreduce(ring) on rank {r}: no progress for 3 s {where}" in out]
+        assert survivors and "uncaught TimeoutError" in out, tail
+
+
+def worker(mode: str, check: bool) -> None:
+    import numpy as np
+
+    import torus
+    from torus import faults
+
+    faults.abort_on_exception()
+    tc = torus.TorusComm(check=check)
+    x = np.ones(1000)
+    for i in range(5):
+        if tc.rank == 2 and i == 2:
+            print(f"rank 2 leaves by {mode}", flush=True)
+            LEAVE[mode]()
+        tc.allreduce(x, algorithm="ring")
+    print(f"rank {tc.rank} finished", flush=True)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2] == "check")
