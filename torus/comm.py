@@ -300,11 +300,11 @@ class TorusComm:
         scale = 1.0 / self.size if op == "avg" else 1.0
         if algo == "native":
             native.reduce_scatter(self.comm, work, out, counts, op, scale)
-            return out
-        self._executor.run(f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize), work, op,
-                           scale)
-        np.copyto(out, work[lo:hi])
-        return out
+        else:
+            self._executor.run(f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize), work,
+                               op, scale)
+            np.copyto(out, work[lo:hi])
+        return out if in_place else recvbuf
 
     def allgather(self, sendbuf, recvbuf=None, *, recvcounts=None, algorithm: str = "auto"):
         """All-gather: every rank ends with every rank's block, in rank order.
