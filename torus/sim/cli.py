@@ -107,8 +107,8 @@ HEADER = (f"{'algorithm':>12} {'collective':>14} {'ranks':>6} {'dims':>8} {'size
           f"{'time ms':>11} {'method':>6}")
 
 
-def plot(results, path: str) -> None:
-    """Time against size, one line per (algorithm, ranks), log-log."""
+def plot(results, path: str, cost: Cost) -> None:
+    """Time against size, one line per (algorithm, ranks), log-log; the cost parameters in the title."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -124,7 +124,10 @@ def plot(results, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("size (bytes)")
     ax.set_ylabel("predicted time (ms)")
-    ax.set_title("torus-sim: α-β-γ replay of the real schedules")
+    levels = "" if cost.inter_alpha is None and cost.inter_beta is None else \
+        f", inter α={cost.inter_alpha:g} β={cost.inter_beta:g}, {results[0].ranks_per_node}/node"
+    ax.set_title(f"torus-sim: α-β-γ replay of the real schedules\nα={cost.alpha:g} s, β={cost.beta:g} s/B, "
+                 f"γ={cost.gamma:g} s/B{levels}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -172,7 +175,7 @@ def main(argv=None) -> int:
                 return 2
         out["results"] = [r.as_dict() for r in results]
         if args.plot:
-            plot(results, args.plot)
+            plot(results, args.plot, cost)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
