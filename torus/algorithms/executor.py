@@ -11,14 +11,12 @@ Waiting polls with ``MPI.Request.Test`` when a timeout is set, so a dead or stuc
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-from torus import kernels
-from torus.errors import TimeoutError as TorusTimeout
+from torus import faults, kernels
 from torus.partition import segments
 
 _TAG_MOD = 32767  # MPI guarantees tags up to at least 32767
@@ -88,21 +86,10 @@ class Executor:
         return CompiledPlan(tuple(steps), itemsize, max((s.scratch for s in steps), default=0))
 
     def _wait(self, req, what: str, step: int, nsteps: int, msg: _Message) -> None:
-        if self.timeout is None:
-            req.Wait()
-            return
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while not req.Test():
-            spins += 1
-            if spins > 1000:  # read the clock only once in a while
-                spins = 0
-                if time.monotonic() > deadline:
-                    raise TorusTimeout(
-                        f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step "
-                        f"{step + 1}/{nsteps} waiting on rank {msg.peer} of the {msg.name} communicator "
-                        "(a peer died, stalled or called a different collective); the communicator "
-                        "is unusable now, abort the job")
+        faults.wait(req, self.timeout, lambda: (
+            f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step {step + 1}/{nsteps} "
+            f"waiting on rank {msg.peer} of the {msg.name} communicator (a peer died, stalled or called a "
+            "different collective); the communicator is unusable now, abort the job"))
 
     def run(self, what: str, plan: CompiledPlan, buf: np.ndarray, op: str, scale: float) -> None:
         """Execute ``plan`` on ``buf`` (1-D contiguous, modified in place)."""
