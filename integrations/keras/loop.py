@@ -8,14 +8,15 @@ copies rank 0's values into every rank's variables (eager, one ``MPI_Bcast`` per
 A custom loop::
 
     tc = torus.TorusComm()
+    host = HostAllreduce(tc, algorithm="torus2d", compression="none")
     model, opt = make_model(), LARS(...)
     opt.build(model.trainable_variables)
     broadcast_variables(tc, model.variables + opt.variables)      # before the first update
     @tf.function                                                  # jit_compile must stay False
     def step(x, y):
         with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = allreduce_tensors(tc, tape.gradient(loss, model.trainable_variables), op="avg")
+            loss = loss_fn(y, model(x, training=True))          # mean over this rank's batch
+        grads = allreduce_tensors(host, tape.gradient(loss, model.trainable_variables), op="avg")
         opt.apply_gradients(zip(grads, model.trainable_variables))
 """
 from __future__ import annotations

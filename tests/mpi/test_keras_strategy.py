@@ -15,7 +15,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
-from torus.integrations.keras import LARS, TorusStrategy  # noqa: E402
+from torus.integrations.keras import LARS, HostAllreduce, TorusStrategy, allreduce_tensors  # noqa: E402
 
 B, STEPS = 12, 5  # global batch (divisible by 1, 2, 3) and steps per test
 
@@ -122,6 +122,28 @@ def test_fp16_compression_close_to_float32(world):
     # fp16 keeps 11 significant bits: each reduced gradient element is off by <= ~2**-11 relative per hop.
     for g, w in zip(steps[-1], ref_steps[-1]):
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("compression, rtol", [("none", 1e-6), ("fp16", 2e-3), ("bf16", 2e-2)])
+def test_allreduce_tensors_against_mpi(world, strategy, rng, compression, rtol):
+    """Mixed dtypes and shapes (0-d, empty, IndexedSlices) in one call; only float32 is compressed."""
+    host = HostAllreduce(strategy.torus_comm, "ring", compression)
+    a = rng.standard_normal((3, 4)).astype(np.float32)
+    s = np.float32(rng.standard_normal())
+    d = rng.standard_normal(5)
+    k = rng.integers(-9, 9, 7)
+    rows = rng.standard_normal((2, 4)).astype(np.float32)
+    sparse = tf.IndexedSlices(tf.constant(rows), tf.constant([4, 1]), tf.constant([6, 4]))
+    dense_sparse = np.zeros((6, 4), np.float32)
+    dense_sparse[[4, 1]] = rows
+    inputs = [tf.constant(a), tf.constant(s), tf.constant(d), tf.zeros((0,)), tf.constant(k), sparse]
+    got = allreduce_tensors(host, inputs, op="sum")
+    for g, local in zip(got, [a, s, d, np.zeros(0, np.float32), k, dense_sparse]):
+        want = np.empty_like(np.asarray(local))
+        world.Allreduce(np.asarray(local), want)
+        assert g.shape == want.shape and g.dtype.as_numpy_dtype == want.dtype
+        tol = rtol if want.dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(g.numpy(), want, rtol=tol, atol=tol * np.abs(want).max(initial=1))
 
 
 def test_custom_loop_matches_one_process(world, strategy):
