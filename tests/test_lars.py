@@ -16,7 +16,8 @@ def reference(w, grads, lr, m, eta, beta, eps, nesterov, adapt, decay):
     """Numpy LARS over a sequence of gradients; float64 accumulations of float32 inputs."""
     w, v = w.astype(np.float64), np.zeros(w.shape)
     beta = beta if decay else 0.0
-    for g in grads:
+    lrs = lr if isinstance(lr, list) else [lr] * len(grads)
+    for g, lr in zip(grads, lrs):
         g = g.astype(np.float64)
         wn, gn = np.linalg.norm(w), np.linalg.norm(g)
         ratio = eta * wn / (gn + beta * wn + eps) if adapt and wn > 0 and gn > 0 else 1.0
@@ -85,6 +86,16 @@ def test_sparse_gradient_equals_dense(rng):
                      adapt=True, decay=True)
     np.testing.assert_allclose(got[0], want, rtol=2e-5, atol=2e-6)
     np.testing.assert_array_equal(got[0], got[1])
+
+
+def test_learning_rate_schedule(rng):
+    init = {"kernel": rng.standard_normal((5, 4)).astype(np.float32)}
+    grads = [{"kernel": rng.standard_normal((5, 4)).astype(np.float32)} for _ in range(4)]
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.8, decay_steps=1, decay_rate=0.5)
+    got = run(LARS(learning_rate=schedule, trust_coefficient=0.05), init, grads)
+    want = reference(init["kernel"], [g["kernel"] for g in grads], lr=[0.8 * 0.5 ** t for t in range(4)],
+                     m=0.9, eta=0.05, beta=0.0, eps=1e-6, nesterov=False, adapt=True, decay=True)
+    np.testing.assert_allclose(got["kernel"], want, rtol=2e-5, atol=2e-6)
 
 
 def test_zero_everything_stays_finite():
