@@ -85,3 +85,19 @@ def test_multidimensional_buffers_keep_their_shape(rng):
     assert out.shape == (60,)
     assert_matches(out, ref, None, "allreduce(ring) of a 3x4x5 buffer")
     assert_matches(allreduce(tc, algo, x, "sum", "alloc"), ref, None, "allreduce(ring) of a 3x4x5 buffer")
+
+
+@pytest.mark.parametrize("count", [7, 786_433])
+def test_auto_picks_a_correct_algorithm(count, rng):
+    """algorithm="auto" (small and large messages take different rows of select.py's table)."""
+    tc, _ = torus_comm("ring")
+    check(tc, "auto", make(rng, np.float32, "sum", count), "sum", "out")
+
+
+def test_sendbuf_is_recvbuf_means_in_place(rng):
+    tc, algo = torus_comm("torus2d-1xN")
+    x = make(rng, np.int32, "max", 50)
+    ref, _ = expected(x, "max")
+    buf = x.copy()
+    assert tc.allreduce(buf, buf, op="max", algorithm=algo) is buf
+    assert_matches(buf, ref, None, "allreduce(torus2d, sendbuf is recvbuf)")

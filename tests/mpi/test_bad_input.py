@@ -48,6 +48,12 @@ def _readonly(a):
     return a
 
 
+def _overlapping():
+    """sendbuf and recvbuf: two views of one array, shifted by one element."""
+    a = np.zeros(N + 1, F32)
+    return a[:N], a[1:]
+
+
 def _ints(n):
     return np.arange(n, dtype=np.int32)
 
@@ -74,10 +80,11 @@ ALLREDUCE = {
     "read-only in-place buffer": (ValueError, lambda t: t.allreduce(torus.IN_PLACE,
                                                                     _readonly(np.zeros(N, F32)))),
     "in place without buffer": (ValueError, lambda t: t.allreduce(torus.IN_PLACE)),
-    "overlapping buffers": (ValueError, lambda t: (lambda a: t.allreduce(a[:N], a[1:N + 1]))(np.zeros(N + 1, F32))),
+    "overlapping buffers": (ValueError, lambda t: t.allreduce(*_overlapping())),
 }
 REDUCE_SCATTER = {
-    "recvcounts too short": (ValueError, lambda t: t.reduce_scatter(np.zeros(N, F32), recvcounts=[4] * (SIZE - 1))),
+    "recvcounts too short": (ValueError, lambda t: t.reduce_scatter(np.zeros(N, F32),
+                                                                    recvcounts=[4] * (SIZE - 1))),
     "recvcounts too long": (ValueError, lambda t: t.reduce_scatter(np.zeros(N, F32), recvcounts=[4] * SIZE + [0])),
     "negative recvcount": (ValueError, lambda t: t.reduce_scatter(np.zeros(N, F32),
                                                                   recvcounts=[-1] + [4] * (SIZE - 1))),
