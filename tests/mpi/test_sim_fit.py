@@ -24,12 +24,14 @@ def test_pingpong_and_reduce_rate(world):
 def test_validate_predictions_are_the_simulators(world):
     tc = TorusComm(check=False)
     cost = Cost(2e-6, 1e-10, 3e-10, segment_bytes=tc.segment_bytes)
-    rows = fit.validate(tc, cost, sizes=(4096,), algorithms=("ring", "torus2d"), iters=2)
+    rows = fit.validate(tc, {"a": cost}, sizes=(4096,), algorithms=("ring", "torus2d"), iters=2)
     X, Y = tc.dims
     for r in rows:
         assert r["measured"] > 0
         want = simulate(r["algorithm"], "allreduce", Layout(X, Y, tc.size), 1024, "float32", cost).time
-        assert r["predicted"] == want
+        assert r["predicted_a"] == want
         # every rank reports the same slowest-rank time
         assert np.allclose(world.allgather(r["measured"]), r["measured"])
+    if tc.size > 1:
+        assert fit.executor_alpha(tc, iters=2) > 0
     tc.Free()

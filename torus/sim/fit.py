@@ -4,9 +4,11 @@ measured ``TorusComm.allreduce`` times.
 ``--fit`` (``mpiexec -n 2``): α and β by least squares on ping-pong half round trips between ranks 0 and 1
 (Hockney's fit; relative residuals, so small messages count as much as large ones); γ as the slope of
 ``torus.kernels.reduce_into`` time over bytes reduced (float32 sum, the thread count ``TorusComm`` would give
-each rank). ``--validate`` (``mpiexec -n K``): for each algorithm and size, the slowest rank's
-``TorusComm.allreduce`` time (the fastest of the iterations, see ``_best_time``), next to ``simulate`` with the
-fitted parameters and the executor's segment size, all ranks on one node. Both write rank 0's numbers to
+each rank); and ``alpha_executor``, the time per step of a one-element-per-rank ring all-reduce through
+``TorusComm`` (the per-message cost the executor adds in Python). ``--validate`` (``mpiexec -n K``): for each
+algorithm and size, the slowest rank's ``TorusComm.allreduce`` time (the fastest of the iterations, see
+``_best_time``), next to ``simulate`` with the fitted parameters (once with the ping-pong α, once with
+``alpha_executor``) and the executor's segment size, all ranks on one node. Both write rank 0's numbers to
 ``--json``.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import kernels
+from torus.comm import TorusComm
 from torus.bench.sweep import format_size
 from torus.sim.model import Cost, Layout
 from torus.sim.simulate import simulate
@@ -95,19 +98,27 @@ def measure_allreduce(tc, algorithm: str, nbytes: int, iters: int = 20) -> float
     return float(np.min(times))
 
 
-def validate(tc, cost: Cost, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical"),
+def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical"),
              iters: int = 20) -> list[dict]:
-    """Measured and predicted all-reduce times on ``tc`` (a TorusComm), all ranks on one node. Collective."""
+    """Measured all-reduce times on ``tc`` (a TorusComm) and, for each ``{name: Cost}``, the simulator's
+    prediction ``predicted_<name>`` (all ranks on one node). Collective."""
     X, Y = tc.dims
     layout = Layout(X, Y, tc.size)
     rows = []
     for algo in algorithms:
         for n in sizes:
-            measured = measure_allreduce(tc, algo, n, iters)
-            predicted = simulate(algo, "allreduce", layout, n // 4, "float32", cost).time
-            rows.append({"ranks": tc.size, "dims": f"{X}x{Y}", "algorithm": algo, "nbytes": n,
-                         "measured": measured, "predicted": predicted, "ratio": predicted / measured})
+            row = {"ranks": tc.size, "dims": f"{X}x{Y}", "algorithm": algo, "nbytes": n,
+                   "measured": measure_allreduce(tc, algo, n, iters)}
+            for name, cost in costs.items():
+                row[f"predicted_{name}"] = simulate(algo, "allreduce", layout, n // 4, "float32", cost).time
+            rows.append(row)
     return rows
+
+
+def executor_alpha(tc, iters: int = 200) -> float:
+    """Seconds per step of a ring all-reduce of one element per rank through TorusComm: α as the executor
+    pays it (MPI latency plus the Python work of a step), for the size-independent part of the model."""
+    return measure_allreduce(tc, "ring", 4 * tc.size, iters) / (2 * (tc.size - 1))
 
 
 def main(args, cost: Cost) -> int:
@@ -117,33 +128,47 @@ def main(args, cost: Cost) -> int:
         print("torus-sim --fit/--validate: run under mpiexec with at least 2 ranks")
         return 2
     kernels.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # as TorusComm on one node
+    load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     if args.fit:
         points = pingpong(comm)
         gamma, reduce_pts = reduce_rate() if rank == 0 else (0.0, [])
+        tc = TorusComm(check=False)
+        alpha_exec = executor_alpha(tc)
+        tc.Free()
         if rank == 0:
             alpha, beta = fit_alpha_beta(points)
+            print(f"# {load}")
             print(f"{'bytes':>9} {'one-way us':>11} {'fit us':>9}")
             for n, t in points:
                 print(f"{format_size(n):>9} {t * 1e6:>11.2f} {(alpha + beta * n) * 1e6:>9.2f}")
             print(f"alpha = {alpha:.3e} s   beta = {beta:.3e} s/B ({1e-9 / beta if beta else float('inf'):.2f}"
-                  f" GB/s)   gamma = {gamma:.3e} s/B ({1e-9 / gamma if gamma else float('inf'):.2f} GB/s)")
+                  f" GB/s)   gamma = {gamma:.3e} s/B ({1e-9 / gamma if gamma else float('inf'):.2f} GB/s)   "
+                  f"alpha_executor = {alpha_exec:.3e} s per TorusComm ring step")
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"alpha": alpha, "beta": beta, "gamma": gamma, "ranks": size,
-                               "pingpong": points, "reduce": reduce_pts}, f, indent=1)
+                    json.dump({"alpha": alpha, "beta": beta, "gamma": gamma, "alpha_executor": alpha_exec,
+                               "ranks": size, "load": load, "pingpong": points, "reduce": reduce_pts}, f,
+                              indent=1)
         return 0
-    from torus import TorusComm
     tc = TorusComm(check=False)
-    cost = Cost(**{**cost.__dict__, "segment_bytes": tc.segment_bytes})
-    rows = validate(tc, cost)
+    costs = {"pingpong": Cost(**{**cost.__dict__, "segment_bytes": tc.segment_bytes})}
+    if args.params:
+        with open(args.params) as f:
+            alpha_exec = json.load(f).get("alpha_executor")
+        if alpha_exec is not None:
+            costs["executor"] = Cost(**{**costs["pingpong"].__dict__, "alpha": alpha_exec})
+    rows = validate(tc, costs)
     if rank == 0:
-        print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, load average {os.getloadavg()[0]:.1f}, {cost}")
-        print(f"{'algorithm':>12} {'size':>6} {'measured ms':>12} {'predicted ms':>13} {'pred/meas':>9}")
+        print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {load}; predicted with {costs}")
+        print(f"{'algorithm':>12} {'size':>6} {'measured ms':>12}"
+              + "".join(f" {'pred ' + k + ' ms':>18} {'ratio':>6}" for k in costs))
         for r in rows:
-            print(f"{r['algorithm']:>12} {format_size(r['nbytes']):>6} {r['measured'] * 1e3:>12.4f} "
-                  f"{r['predicted'] * 1e3:>13.4f} {r['ratio']:>9.2f}")
+            print(f"{r['algorithm']:>12} {format_size(r['nbytes']):>6} {r['measured'] * 1e3:>12.4f}"
+                  + "".join(f" {r['predicted_' + k] * 1e3:>18.4f} {r['predicted_' + k] / r['measured']:>6.2f}"
+                            for k in costs))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"cost": cost.__dict__, "rows": rows}, f, indent=1)
+                json.dump({"costs": {k: c.__dict__ for k, c in costs.items()}, "load": load, "rows": rows}, f,
+                          indent=1)
     tc.Free()
     return 0
