@@ -9,7 +9,6 @@ import json
 import os
 import platform
 import socket
-import sys
 import time
 
 import mpi4py
@@ -49,18 +48,23 @@ def _library(env: dict) -> str:
     return env["mpi_library"].split(";")[0][:60]
 
 
-def _time(us: float) -> str:
-    return f"{us:8.1f}" if us < 1e5 else f"{us:8.0f}"
+def _num(x: float, width: int) -> str:
+    """One decimal when it fits in ``width``, none otherwise."""
+    text = f"{x:.1f}"
+    return f"{text if len(text) <= width else f'{x:.0f}':>{width}}"
 
 
-def _wrong(w) -> str:
-    return f"{'N/A' if w is None else w:>7}"
+# Column widths; every cell is preceded by one space ('#' takes the first one in header lines).
+_KEYS = ((11, "size", "(B)"), (12, "count", "(elements)"), (9, "type", ""), (6, "redop", ""), (13, "algo", ""))
+_CELLS = ((8, "time", "(us)"), (7, "iqr", "(us)"), (7, "algbw", "(GB/s)"), (7, "busbw", "(GB/s)"),
+          (6, "#wrong", ""))
 
 
 def header(env: dict, args: dict) -> list[str]:
     """The lines printed before the first row."""
     check = "on" if env["check_arguments"] else "off (TORUS_CHECK=0)"
-    line = "#" + " " * 56
+    lead = sum(w + 1 for w, _, _ in _KEYS)
+    group = sum(w + 1 for w, _, _ in _CELLS)
     return [
         f"# torus-bench {args['collective']}: {env['ranks']} ranks, dims {env['dims']}, {env['nodes']} node(s) "
         f"x {env['ranks_per_node']} ranks, {args['dtype']}, op {args['op']}, {args['iters']} iterations after "
@@ -72,23 +76,25 @@ def header(env: dict, args: dict) -> list[str]:
         + "; count: elements in size",
         "# time: median over iterations of the slowest rank; iqr: spread (75th - 25th percentile); "
         "busbw: nccl-tests' PERFORMANCE.md",
-        f"{line}{'out-of-place':>24}{' ' * 21}{'in-place':>24}",
-        f"#{'size':>11}{'count':>13}{'type':>10}{'redop':>7}{'algo':>14}"
-        + f"{'time':>9}{'iqr':>8}{'algbw':>8}{'busbw':>8}{'#wrong':>7}" * 2,
-        f"#{'(B)':>11}{'(elements)':>13}{'':>10}{'':>7}{'':>14}"
-        + f"{'(us)':>9}{'(us)':>8}{'(GB/s)':>8}{'(GB/s)':>8}{'':>7}" * 2,
+        "#" + " " * (lead - 1) + f"{'out-of-place':^{group}}{'in-place':^{group}}",
+        "#" + " ".join(f"{name:>{w}}" for w, name, _ in _KEYS) + (" " + " ".join(
+            f"{name:>{w}}" for w, name, _ in _CELLS)) * 2,
+        "#" + " ".join(f"{unit:>{w}}" for w, _, unit in _KEYS) + (" " + " ".join(
+            f"{unit:>{w}}" for w, _, unit in _CELLS)) * 2,
     ]
 
 
 def row_line(row: dict) -> str:
     """One table line: size, count, type, redop, algorithm, then time/iqr/algbw/busbw/#wrong twice."""
     algo = row["algorithm"] if row["algorithm"] != "auto" else f"auto:{row['resolved']}"
-    cells = f" {row['size']:>11}{row['count']:>13}{row['dtype']:>10}{row['op']:>7}{algo:>14}"
+    keys = (row["size"], row["count"], row["dtype"], row["op"], algo)
+    line = "".join(f" {k:>{w}}" for k, (w, _, _) in zip(keys, _KEYS))
     for p in PLACEMENTS:
         s = row[p]
-        cells += f" {_time(s['time_us'])}{s['p75_us'] - s['p25_us']:8.1f}{s['algbw']:8.3f}{s['busbw']:8.3f}" \
-                 f"{_wrong(s['wrong'])}"
-    return cells
+        wrong = "N/A" if s["wrong"] is None else s["wrong"]
+        line += f" {_num(s['time_us'], 8)} {_num(s['p75_us'] - s['p25_us'], 7)} {s['algbw']:7.3f} " \
+                f"{s['busbw']:7.3f} {wrong:>6}"
+    return line
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -97,8 +103,8 @@ def summary(rows: list[dict]) -> list[str]:
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
     wrong = [r[p]["wrong"] for r in rows for p in PLACEMENTS]
     total = sum(w for w in wrong if w is not None)
-    lines = ["#", f"# Out of bounds values : {total} {'OK' if total == 0 else 'FAILED'}"
-             + ("" if None not in wrong else " (check off for some rows)")]
+    verdict = "N/A (check off)" if None in wrong else f"{total} {'OK' if total == 0 else 'FAILED'}"
+    lines = ["#", f"# Out of bounds values : {verdict}"]
     for a in algorithms:
         bw = [r[p]["busbw"] for r in rows if r["algorithm"] == a for p in PLACEMENTS]
         lines.append(f"# Avg bus bandwidth    : {np.mean(bw):8.3f} GB/s  {a}")
@@ -191,4 +197,4 @@ def write_all(env: dict, args: dict, rows: list[dict], *, json_path=None, csv_pa
     for path, writer in ((json_path, write_json), (csv_path, write_csv), (plot_path, plot)):
         if path:
             writer(path, env, args, rows)
-            print(f"# wrote {path}", file=sys.stdout, flush=True)
+            print(f"# wrote {path}", flush=True)
