@@ -151,7 +151,8 @@ def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays
     elif collective != "allreduce":
         X, Y, row, col = layout.ranks_per_node, N // layout.ranks_per_node, "local", "cross"
     else:
-        raise SimulationError("torus-sim: hierarchical allreduce is not step-aligned; see torus.sim.simulate")
+        raise SimulationError("torus-sim: the hierarchical allreduce gathers several messages in one step; "
+                              "torus.sim.simulate replays it per node instead")
     names = {row: "row", col: "col"}
     ys = np.arange(Y)
     if collective == "allreduce":
