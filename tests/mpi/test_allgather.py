@@ -41,6 +41,7 @@ def check(tc, algo, counts, block, mode, block_form=False):
         assert tc.allgather(torus.IN_PLACE, out, recvcounts=recvcounts, algorithm=algo) is out
     else:
         sendbuf = block.copy()
+        sendbuf.flags.writeable = False  # a read-only sendbuf is fine
         recvbuf = sentinel(sum(counts), block.dtype) if mode == "out" else None
         out = tc.allgather(sendbuf, recvbuf, recvcounts=recvcounts, algorithm=algo)
         assert recvbuf is None or out is recvbuf

@@ -25,6 +25,7 @@ def allreduce(tc, algo, x, op, mode):
         out = tc.allreduce(torus.IN_PLACE, sendbuf, op=op, algorithm=algo)
         assert out is sendbuf
         return out
+    sendbuf.flags.writeable = False  # a read-only sendbuf is fine
     recvbuf = sentinel(x.size, x.dtype) if mode == "out" else None
     out = tc.allreduce(sendbuf, recvbuf, op=op, algorithm=algo)
     assert recvbuf is None or out is recvbuf
@@ -77,7 +78,7 @@ def test_tiny_segments(case, count, rng):
     check(tc, algo, make(rng, np.float16, "avg", count, exact=False), "avg", "in", exact=False)
 
 
-def test_multidimensional_buffers_keep_their_shape(rng):
+def test_multidimensional_and_0d_buffers_keep_their_shape(rng):
     tc, algo = torus_comm("ring")
     x = make(rng, np.int64, "sum", 60).reshape(3, 4, 5)
     ref, _ = expected(x, "sum")
@@ -85,6 +86,11 @@ def test_multidimensional_buffers_keep_their_shape(rng):
     assert out.shape == (60,)
     assert_matches(out, ref, None, "allreduce(ring) of a 3x4x5 buffer")
     assert_matches(allreduce(tc, algo, x, "sum", "alloc"), ref, None, "allreduce(ring) of a 3x4x5 buffer")
+    scalar = make(rng, np.float64, "sum", 1).reshape(())
+    ref, _ = expected(scalar, "sum")
+    out = allreduce(tc, algo, scalar, "sum", "alloc")
+    assert out.shape == ()
+    assert_matches(out, ref, None, "allreduce(ring) of a 0-d array")
 
 
 @pytest.mark.parametrize("count", [7, 786_433])

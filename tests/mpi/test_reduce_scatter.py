@@ -31,6 +31,7 @@ def reduce_scatter(tc, algo, x, counts, op, mode, block_form=False):
             f"{what} on rank {RANK}: elements outside block {RANK} changed"
         return out
     sendbuf = x.copy()
+    sendbuf.flags.writeable = False  # a read-only sendbuf is fine
     recvbuf = sentinel(counts[RANK], x.dtype) if mode == "out" else None
     out = tc.reduce_scatter(sendbuf, recvbuf, recvcounts=recvcounts, op=op, algorithm=algo)
     assert recvbuf is None or out is recvbuf
