@@ -1,5 +1,5 @@
 """torus-sim --fit/--validate building blocks under mpiexec: ping-pong pairs up, the reduce rate is measured,
-and validate's predictions are the simulator's. No timing is asserted (the machine is shared); under 2 s."""
+and validate's predictions are the simulator's. No timing is asserted (the machine is shared); about 1 s of work."""
 import numpy as np
 import pytest
 
