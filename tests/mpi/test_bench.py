@@ -139,7 +139,7 @@ def test_cli_table_json_csv_plot(tmp_path, capsys, world):
     env = data["environment"]
     assert env["ranks"] == world.Get_size() and env["torus"] == torus.__version__
     assert env["mpi_library"].startswith(" ".join(MPI.Get_library_version().splitlines()[0].split()))
-    assert {"mpi4py", "dims", "hosts", "env", "command", "date_utc"} <= set(env)
+    assert {"mpi4py", "dims", "hosts", "env", "command", "date_utc", "load_average", "load_average_end"} <= set(env)
     assert data["arguments"]["sizes"] == [8, 256, 8192] and data["arguments"]["dtype"] == "float64"
     results = data["results"]
     for t, r in zip(table, results):  # the printed table is the JSON, rounded

@@ -8,6 +8,7 @@ and in place) with an algorithm column, then each algorithm's time over native's
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from torus.bench import report
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
         rows.append(row)
         if lead:
             print(report.row_line(row), flush=True)
+    env["load_average_end"] = list(os.getloadavg())  # other jobs on the machine skew the figures
     if lead:
         print("\n".join(report.summary(rows)), flush=True)
         report.write_all(env, settings, rows, json_path=args.json, csv_path=args.csv, plot_path=args.plot)

@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 import torus
+from torus import kernels
 from torus.bench.sweep import PLACEMENTS, format_size
 
 _ENV_PREFIXES = ("TORUS_", "MALLOC_", "OMP_", "MPIR_CVAR_", "MPICH_", "UCX_", "FI_", "OMPI_MCA_")
@@ -31,7 +32,8 @@ def environment(tc, argv) -> dict:
         "ranks": tc.size, "dims": f"{tc.dims[0]}x{tc.dims[1]}",
         "nodes": tc.nodes, "ranks_per_node": tc.local_size, "segment_bytes": tc.segment_bytes,
         "check_arguments": tc.check,
-        "hosts": sorted(set(hosts)), "cpus": os.cpu_count(),
+        "hosts": sorted(set(hosts)), "cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
+        "kernel_threads": kernels.get_num_threads(),
         "mpi_library": "; ".join(" ".join(line.split()) for line in MPI.Get_library_version().splitlines()
                               if line.strip()),
         "mpi_version": "%d.%d" % MPI.Get_version(), "mpi4py": mpi4py.__version__,
