@@ -20,15 +20,16 @@ class LARS(keras.optimizers.Optimizer):
 
         trust ratio  λ = η · ‖w‖ / (‖g‖ + β · ‖w‖ + ε)      (λ = 1 when ‖w‖ = 0 or ‖g‖ = 0)
         velocity     v ← m · v + lr · λ · (g + β · w)
-        weights      w ← w − v                              (nesterov: w ← w − (m · v + lr · λ · (g + β · w)))
+        weights      w ← w − v
+        nesterov     w ← w − (m · v + lr · λ · (g + β · w))              (v already updated)
 
     with η = ``trust_coefficient``, β = ``weight_decay``, m = ``momentum``, lr = ``learning_rate`` (a float or
     a ``keras.optimizers.schedules.LearningRateSchedule``), norms Euclidean over the whole variable. A variable
     excluded from layer adaptation uses λ = 1 (plain momentum SGD); one excluded from weight decay uses β = 0 in
     both the ratio and the update. The velocity ``v`` is one slot per variable, of the variable's shape and
     dtype. Sparse gradients (``tf.IndexedSlices``, from ``Embedding``) are made dense first, so the ratio and
-    the update equal those of the dense gradient. Norms and the update are computed in the variable's dtype; λ is finite for any finite input (the
-    zero guard above, plus ε > 0 in the denominator).
+    the update equal those of the dense gradient. Norms and the update are computed in the variable's dtype;
+    λ is finite for any finite input (the zero guard above; ε > 0 adds a margin).
 
     Difference from TF Model Garden's ``LARS`` (``official/modeling/optimization/lars.py``): it uses
     λ = η · ‖w‖ / ‖g + β · w‖ (the norm of the decayed gradient, no ε) and applies the ratio only when both
@@ -81,7 +82,8 @@ class LARS(keras.optimizers.Optimizer):
         self.epsilon = float(epsilon)
         self.nesterov = bool(nesterov)
         self._exclude_wd = None if exclude_from_weight_decay is None else list(exclude_from_weight_decay)
-        self._exclude_la = None if exclude_from_layer_adaptation is None else list(exclude_from_layer_adaptation)
+        self._exclude_la = (None if exclude_from_layer_adaptation is None
+                            else list(exclude_from_layer_adaptation))
 
     @staticmethod
     def _excluded(variable, patterns) -> bool:

@@ -1,8 +1,8 @@
 """TorusStrategy and the custom-loop helpers: N ranks with global batch B step exactly like one process with
 batch B (the reference runs on every rank, on the full batch), and ranks stay bitwise identical.
 
-Runs at 1, 2 and 3 ranks only (TensorFlow is heavy on the 2-core test machine). Took 68 s at 3 ranks (35 CPU-seconds)
-while the 2-core machine ran at a load average of 15.
+Runs at 1, 2 and 3 ranks only (TensorFlow is heavy on the 2-core test machine). Took 68 s at 3 ranks
+(35 CPU-seconds) while the 2-core machine ran at a load average of 15.
 """
 import numpy as np
 import pytest
