@@ -38,7 +38,8 @@ def loss_samples(model) -> float:
 def average_logs(torus_comm, logs: dict, samples: float, keys=None) -> dict:
     """Replace ``logs[k]`` (numeric scalars; all keys or ``keys``) by ``sum_r n_r * v_r / sum_r n_r`` over ranks,
     with ``n_r = samples`` on rank r. Collective (one small all-reduce); returns ``logs``."""
-    keys = sorted(k for k in (logs if keys is None else keys) if np.ndim(logs[k]) == 0 and np.isreal(logs[k]))
+    keys = sorted(k for k in (logs if keys is None else keys)
+                  if isinstance(logs[k], (int, float, np.integer, np.floating)) and not isinstance(logs[k], bool))
     local = np.array([samples] + [samples * float(logs[k]) for k in keys], np.float64)
     total = torus_comm.allreduce(local, op="sum", algorithm="native")
     for k, v in zip(keys, total[1:]):

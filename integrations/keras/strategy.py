@@ -66,7 +66,9 @@ class TorusStrategy(tf.distribute.Strategy):
     sent as float16/bfloat16 (``compression``); sparse gradients are densified (see ``allreduce_tensors``).
     ``callbacks()`` broadcasts rank 0's weights and optimizer state before the first update and averages
     fit's logged metrics across ranks; only the chief (rank 0) should print and write checkpoints.
-    ``jit_compile=True`` is refused (XLA cannot compile the ``tf.numpy_function``).
+    ``jit_compile=True`` is refused (XLA cannot compile the ``tf.numpy_function``). Keras clips gradients
+    (``clipnorm``, ``global_clipnorm``, ``clipvalue``) before the all-reduce, on each rank's loss-scaled local
+    gradient, so clipping does not match a single process; LARS needs none.
 
     Parameters
     ----------
