@@ -72,7 +72,8 @@ def test_allreduce_property(config, count, dtype_op, exact, in_place, seed):
     x = make(rank_rng(seed), dt, op, count, exact=exact or dt.kind == "i")
 
     def check():
-        what = f"allreduce({algorithm}, {op}, {dt}, count {count}, dims {tc.dims}, in_place {in_place})"
+        what = (f"allreduce({algorithm}, {op}, {dt}, count {count}, dims {tc.dims}, node size {tc.local_size}, "
+                f"segment {tc.segment_bytes} B, in_place {in_place})")
         out = x.copy()
         out = tc.allreduce(MPI.IN_PLACE, out, op=op, algorithm=algorithm) if in_place else \
             tc.allreduce(x, op=op, algorithm=algorithm)
