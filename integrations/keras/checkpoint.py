@@ -8,8 +8,9 @@ flushed and fsynced, then published with ``os.replace``, so a reader sees either
 checkpoints or the old set plus one complete new file: killing the writer at any moment leaves the last
 complete checkpoint readable. The newest ``keep`` checkpoints are kept.
 
-``TORUS_CHECKPOINT_SLEEP=<seconds>`` makes the writer pause halfway through writing the temporary file (a
-hook for tests that kill a run mid-write).
+``TORUS_CHECKPOINT_SLEEP=<seconds>@<epoch>`` makes the writer of that epoch's checkpoint pause halfway
+through writing the temporary file (a hook for tests that kill a run mid-write). Temporary files left by a
+killed writer are removed by the next successful save.
 """
 from __future__ import annotations
 
@@ -50,15 +51,16 @@ def save(directory: str | Path, epoch: int, model, state: dict, *, keep: int = 2
     with open(tmp, "wb") as f:
         half = len(blob) // 2
         f.write(blob[:half])
-        pause = float(os.environ.get("TORUS_CHECKPOINT_SLEEP", "0") or 0)
-        if pause:
+        pause, _, at = os.environ.get("TORUS_CHECKPOINT_SLEEP", "").partition("@")
+        if pause and int(at or epoch) == epoch:
             f.flush()
-            time.sleep(pause)
+            time.sleep(float(pause))
         f.write(blob[half:])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    for old in list_checkpoints(directory)[:-keep]:
+    stale = list(directory.glob(".checkpoint-*.tmp"))
+    for old in list_checkpoints(directory)[:-keep] + stale:
         old.unlink(missing_ok=True)
     return final
 

@@ -11,13 +11,14 @@ logs and, at the end, a JSON summary (stdout's last line, and ``summary.json`` i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
 
 DEFAULTS = {  # the recipe for the embedded digits; measured in the report of issue 6
-    "epochs": 8, "batch_schedule": "0:64,4:128", "optimizer": "lars", "lr": 2.0, "base_batch": 256,
+    "epochs": 6, "batch_schedule": "0:64,3:128", "optimizer": "lars", "lr": 4.0, "base_batch": 256,
     "warmup_epochs": 1.0, "momentum": 0.9, "weight_decay": 5e-5, "trust": 0.01, "label_smoothing": 0.1,
     "bn_momentum": 0.9, "image_size": 32,
 }
@@ -82,8 +83,11 @@ def _configure_tensorflow(args, comm):
     import keras
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = args.threads or max(1, cores // _local_size(comm))
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(1 if threads == 1 else 2)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1 if threads == 1 else 2)
+    except RuntimeError:  # TensorFlow already started in this process (main() called twice, as in tests)
+        threads = tf.config.threading.get_intra_op_parallelism_threads()
     if args.mixed_precision:
         keras.mixed_precision.set_global_policy(
             "mixed_float16" if tf.config.list_physical_devices("GPU") else "mixed_bfloat16")
@@ -199,10 +203,11 @@ class Trainer:
                 _collective(comm, "building the digits data",
                             lambda: digits.ensure_digits(args.image_size) if self.rank == 0 else None)
                 self.root = str(digits.ensure_digits(args.image_size))
-            opened = lambda split: data.open_split(self.root, split, rank=self.rank, size=self.size,  # noqa: E731
-                                                   on_bad_image=args.on_bad_image, num_classes=args.num_classes)
-            self.train_split = _collective(comm, f"reading training data from {self.root}", lambda: opened("train"))
-            self.val_split = _collective(comm, f"reading validation data from {self.root}", lambda: opened("val"))
+            self.train_split, self.val_split = (
+                _collective(comm, f"reading {split} data from {self.root}", functools.partial(
+                    data.open_split, self.root, split, rank=self.rank, size=self.size,
+                    on_bad_image=args.on_bad_image, num_classes=args.num_classes))
+                for split in ("train", "val"))
             self.num_classes = self.train_split.num_classes
             self.min_count = comm.allreduce(self.train_split.count, op=MPI.MIN)
         self.loss = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=args.label_smoothing)
@@ -231,7 +236,11 @@ class Trainer:
             dataset = data.train_dataset(self.train_split, epoch=epoch, batch_size=per_rank, steps=steps,
                                          image_size=self.args.image_size, augment=self.augment,
                                          seed=self.args.seed, rank=self.rank)
-        return dataset.map(lambda x, y: (x, tf.one_hot(y, self.num_classes)))
+        num_classes = self.num_classes
+
+        def one_hot(images, labels):
+            return images, tf.one_hot(labels, num_classes)
+        return dataset.map(one_hot)
 
     def _resume(self) -> tuple[int, list]:
         from torus.integrations.keras import checkpoint
@@ -259,7 +268,7 @@ class Trainer:
 
     def _fit_epoch(self, dataset, epoch: int, steps: int, callbacks) -> dict:
         history = self.model.fit(dataset, initial_epoch=epoch, epochs=epoch + 1, steps_per_epoch=steps,
-                                 callbacks=callbacks, verbose=self.args.verbose if self.rank == 0 else 0)
+                                 shuffle=False, callbacks=callbacks, verbose=self.args.verbose if self.rank == 0 else 0)
         return {k: float(v[-1]) for k, v in history.history.items()}
 
     def _loop_epoch(self, dataset, epoch: int, steps: int) -> dict:
