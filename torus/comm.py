@@ -169,7 +169,19 @@ class TorusComm:
         """All-gather a signature of the call; every rank raises the same MismatchError if any differ.
 
         The all-gather is non-blocking and waited on with the stall timeout, so a rank that never calls (or
-        died) turns into ``TimeoutError`` here rather than a hang before the first data message."""
+        died) turns into ``TimeoutError`` here rather than a hang before the first data message.
+
+        Cost (on whenever ``check`` is, the default): one 64-byte all-gather per call. Measured per call,
+        median, 2 ranks on 2 cores: a 4-byte ``MPI_Allreduce`` 2.9 us, this check 8.6 us, a native 4-byte
+        ``allreduce`` 5.9 us without it and 15 us with it; at 4 ranks oversubscribed the check costs about one
+        more small-collective latency (ms there, set by the OS scheduler). Negligible beside a gradient
+        all-reduce; ``check=False`` (``TORUS_CHECK=0``) skips it for latency-bound loops.
+
+        Not caught: anything with ``check=False`` (ranks that disagree then hang until the stall timeout, fail
+        in MPI with a truncation error, or silently combine mismatched data, e.g. sum on one rank and max on
+        another); a rank that never calls, died, or raised in its own argument validation (the others get
+        ``TimeoutError`` after ``timeout`` s); differing buffer contents; ranks calling collectives on
+        different TorusComm objects in different orders (also a timeout)."""
         crc = zlib.crc32(np.asarray(recvcounts, np.int64).tobytes()) if recvcounts is not None else 0
         mine = np.array([_COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count,
                          ALGORITHMS.index(algo), self.segment_bytes, self.dims[0], crc], np.int64)
