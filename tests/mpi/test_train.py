@@ -87,8 +87,9 @@ def test_train_from_tfrecords(world, digits8, shared_tmp):
     _check_run(world, trainer, trainer.run(), len(train_files))
 
 
-def test_train_from_folders_with_every_augmentation(world, digits8):
-    trainer = _train(world, digits8, "--augment", "crop=0.5,flip,rotate=15,color=0.1,noise=0.02")
+def test_train_from_folders_with_every_augmentation_custom_loop(world, digits8):
+    trainer = _train(world, digits8, "--augment", "crop=0.5,flip,rotate=15,color=0.1,noise=0.02",
+                     "--trainer", "loop")
     assert trainer.train_split.kind == "folder"
     _check_run(world, trainer, trainer.run(), len(_images(digits8, "train")[0]))
 

@@ -1,0 +1,158 @@
+"""Input pipeline pieces in one process: the folder and TFRecord layouts agree image for image, shards are
+disjoint and complete, the epoch order is a pure function of (seed, epoch, rank), the rotation matches
+numpy's, bad images are found by path, the digits set is built once and completely, and a checkpoint
+round-trips. Budget: about 15 s (TensorFlow start-up and one tiny model).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+from PIL import Image  # noqa: E402
+
+from torus.integrations.keras import checkpoint, data, digits, tfrecords  # noqa: E402
+
+CLASSES = ["n01", "n02", "n10"]  # sorted folder names give labels 0, 1, 2
+
+
+@pytest.fixture
+def tree(tmp_path, rng):
+    """An ILSVRC2012-style tree of random 12x10 RGB PNG images (lossless, so pixels are checkable):
+    7 per class in train/, 2 per class in val/. Returns (root, {path: (label, pixels)})."""
+    truth = {}
+    for split, count in (("train", 7), ("val", 2)):
+        for label, name in enumerate(CLASSES):
+            (tmp_path / split / name).mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)
+                path = tmp_path / split / name / f"{i}.png"
+                Image.fromarray(pixels).save(path)
+                truth[str(path)] = (label, pixels)
+    return tmp_path, truth
+
+
+def _all_val(split: data.Split) -> tuple[np.ndarray, np.ndarray]:
+    images, labels = zip(*data.val_dataset(split, batch_size=64, image_size=10, central_fraction=1.0)
+                         .unbatch().as_numpy_iterator())
+    return np.stack(images), np.array(labels)
+
+
+def test_folder_labels_and_shards(tree):
+    root, truth = tree
+    shards = [data.open_split(root, "train", rank=r, size=3) for r in range(3)]
+    paths = [p for s in shards for p in s.items]
+    assert sorted(paths) == sorted(p for p in truth if "/train/" in p)  # disjoint and complete
+    for s in shards:
+        assert s.num_classes == 3 and s.count == len(s.items)
+        assert [truth[p][0] for p in s.items] == s.labels.tolist()
+
+
+def test_tfrecords_match_folders(tree, tmp_path_factory):
+    root, truth = tree
+    out = tmp_path_factory.mktemp("records")
+    tfrecords.main([str(root), str(out), "--train-shards", "2", "--val-shards", "1"])
+    assert sorted(p.name for p in out.iterdir()) == ["train-00000-of-00002", "train-00001-of-00002",
+                                                    "validation-00000-of-00001"]
+    record = next(iter(tf.data.TFRecordDataset(str(out / "validation-00000-of-00001"))))
+    example = tf.train.Example.FromString(record.numpy()).features.feature
+    assert example["image/class/label"].int64_list.value[0] in (1, 2, 3)  # 1-based
+    assert example["image/height"].int64_list.value[0] == 10 and example["image/width"].int64_list.value[0] == 12
+    from_records, from_folder = data.open_split(out, "val"), data.open_split(root, "val")
+    assert from_records.kind == "tfrecord" and from_records.count == 6
+    (x1, y1), (x2, y2) = _all_val(from_records), _all_val(from_folder)
+    key = lambda x, y: sorted((int(label), image.tobytes()) for image, label in zip(x, y))  # noqa: E731
+    assert key(x1, y1) == key(x2, y2)
+
+
+def test_epoch_order_is_a_function_of_seed_epoch_rank(tree):
+    split = data.open_split(tree[0], "train")
+    aug = data.Augment.parse("crop=0.3,flip,rotate,color,noise")
+
+    def epoch(e, seed=0):
+        batches = data.train_dataset(split, epoch=e, batch_size=7, steps=3, image_size=8, augment=aug, seed=seed)
+        return [(x.numpy(), y.numpy()) for x, y in batches]
+    first, again, other = epoch(1), epoch(1), epoch(2)
+    for (x, y), (x2, y2) in zip(first, again):
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+    assert not all(np.array_equal(a[1], b[1]) for a, b in zip(first, other))
+    assert np.concatenate([y for _, y in first]).tolist() != np.concatenate([y for _, y in epoch(1, seed=5)]).tolist()
+    assert first[0][0].shape == (7, 8, 8, 3) and first[0][0].dtype == np.float32
+
+
+def test_augment_parse():
+    assert data.Augment.parse("none") == data.Augment()
+    assert data.Augment.parse("crop=0.25,flip,rotate=5") == data.Augment(crop_area=0.25, flip=True, rotate=5.0)
+    with pytest.raises(ValueError, match="unknown augmentation 'blur'"):
+        data.Augment.parse("flip,blur")
+
+
+def test_rotation_by_quarter_turns_matches_numpy(rng):
+    image = rng.random((9, 9, 2)).astype(np.float32)
+    np.testing.assert_allclose(data._rotate(tf.constant(image), tf.constant(0.0)).numpy(), image, atol=1e-6)
+    # a positive angle turns the picture counter-clockwise, as np.rot90 does
+    np.testing.assert_allclose(data._rotate(tf.constant(image), tf.constant(np.pi / 2, tf.float32)).numpy(),
+                               np.rot90(image), atol=1e-5)
+
+
+def test_bad_images_are_named(tree):
+    root, _ = tree
+    truncated, text = root / "train" / "n02" / "cut.png", root / "train" / "n10" / "text.jpg"
+    good = (root / "train" / "n02" / "0.png").read_bytes()
+    truncated.write_bytes(good[:40])
+    text.write_text("not an image")
+    with pytest.raises(data.DataError) as info:
+        data.open_split(root, "train", on_bad_image="fail")
+    assert str(truncated) in str(info.value) and str(text) in str(info.value)
+    split = data.open_split(root, "train", on_bad_image="skip")
+    assert split.count == 21 and sorted(p for p, _ in split.bad) == sorted([str(truncated), str(text)])
+    assert str(truncated) not in split.items
+
+
+def test_missing_or_empty_data_folder(tmp_path):
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.open_split(tmp_path / "nothing", "train")
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    with pytest.raises(data.DataError, match="holds no images"):
+        data.open_split(tmp_path, "train")
+
+
+def _build(cache: str) -> str:
+    os.environ["TORUS_CACHE"] = cache
+    return str(digits.ensure_digits(8))
+
+
+def test_digits_built_once_completely_by_concurrent_processes(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        roots = pool.map(_build, [str(tmp_path)] * 2)
+    root = Path(roots[0])
+    assert roots[1] == roots[0] and sorted(p.name for p in tmp_path.iterdir()) == ["digits-8", "digits-8.lock"]
+    counts = {split: len(list((root / split).glob("digit_*/*.jpg"))) for split in ("train", "val")}
+    assert counts == {"train": 1437, "val": 360}  # load_digits' 1,797 scans, 20 % held out
+    assert data.class_names(root) == [f"digit_{d}" for d in range(10)]
+    with Image.open(next((root / "val" / "digit_4").iterdir())) as image:
+        assert image.size == (8, 8) and image.mode == "RGB"
+
+
+def test_checkpoint_round_trip_and_latest(tmp_path, rng):
+    import keras
+    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    model.fit(rng.random((8, 3)), rng.random((8, 2)), verbose=0)
+    for epoch in (1, 2, 3):
+        checkpoint.save(tmp_path, epoch, model, {"epoch": epoch})
+    (tmp_path / ".checkpoint-000004.npz.123.tmp").write_bytes(b"half")  # a killed writer's leftover
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-000002.npz",
+                                                                        "checkpoint-000003.npz"]
+    assert checkpoint.read_state(checkpoint.latest(tmp_path)) == {"epoch": 3}
+    saved = [v.numpy().copy() for v in model.weights + model.optimizer.variables]
+    for v in model.weights + model.optimizer.variables:
+        v.assign(np.zeros(v.shape, v.dtype))
+    assert checkpoint.restore(checkpoint.latest(tmp_path), model) == {"epoch": 3}
+    for v, s in zip(model.weights + model.optimizer.variables, saved):
+        np.testing.assert_array_equal(v.numpy(), s)
