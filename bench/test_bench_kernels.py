@@ -44,7 +44,7 @@ def _setup(benchmark, group: str, bytes_moved: int) -> None:
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
-@pytest.mark.parametrize("num_threads", THREADS, indirect=True)
+@pytest.mark.parametrize("num_threads", THREADS, indirect=True, ids=lambda t: f"{t}t")
 def test_reduce_sum_torus(benchmark, dtype, size, num_threads):
     acc, src = _operands(REDUCE_DTYPES[dtype], SIZES[size])
     _setup(benchmark, f"reduce sum {dtype} {size}", 3 * SIZES[size])
@@ -62,7 +62,7 @@ def test_reduce_sum_numpy(benchmark, dtype, size):
 # -- fused sum + scale (avg) -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("num_threads", THREADS, indirect=True)
+@pytest.mark.parametrize("num_threads", THREADS, indirect=True, ids=lambda t: f"{t}t")
 def test_sum_scale_torus(benchmark, size, num_threads):
     acc, src = _operands(np.dtype(np.float32), SIZES[size])
     _setup(benchmark, f"sum+scale float32 {size}", 3 * SIZES[size])
@@ -95,7 +95,7 @@ def _cast_bytes(size: str) -> int:
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("half", HALF_DTYPES)
-@pytest.mark.parametrize("num_threads", THREADS, indirect=True)
+@pytest.mark.parametrize("num_threads", THREADS, indirect=True, ids=lambda t: f"{t}t")
 def test_narrow_torus(benchmark, half, size, num_threads):
     wide, narrow = _cast_operands(half, size)
     _setup(benchmark, f"narrow float32->{half} {size}", _cast_bytes(size))
@@ -116,7 +116,7 @@ def test_narrow_numpy(benchmark, half, size, how):
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("half", HALF_DTYPES)
-@pytest.mark.parametrize("num_threads", THREADS, indirect=True)
+@pytest.mark.parametrize("num_threads", THREADS, indirect=True, ids=lambda t: f"{t}t")
 def test_widen_torus(benchmark, half, size, num_threads):
     wide, narrow = _cast_operands(half, size)
     _setup(benchmark, f"widen {half}->float32 {size}", _cast_bytes(size))
