@@ -9,14 +9,17 @@ once (round to nearest even) with the bit manipulation of src/half.h, so NaN enc
 formats are handled as uint16 views, because numba has no bfloat16 array type and because the GPU's own
 float16 conversion returns a different NaN (0x7fff) than numpy.
 
-Each function launches one grid-stride kernel on the default stream and waits for it: the schedules hand
-the buffer to a CUDA-aware MPI next, which does not order itself after our stream. Kernels are compiled
+Each function launches one grid-stride kernel on the default stream and waits for that stream: the schedules
+hand the buffer to a CUDA-aware MPI next, which does not order itself after our stream. Inputs written by
+other streams must be complete before the call (numba waits for the stream a ``__cuda_array_interface__``
+names). Kernels are compiled
 lazily, once per (function, storage format) and then once per dtype by numba's dispatcher, which caches
 them for the life of the process.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 from numba import cuda
@@ -29,6 +32,8 @@ _THREADS = 256
 # 4096 blocks x 256 threads keep every SM of current GPUs (132 on an H100/H200) busy; the grid-stride loop
 # covers longer buffers, and fewer, longer-lived threads amortise the index arithmetic.
 _MAX_BLOCKS = 4096
+# Small segments need small grids, by design; numba would warn once per distinct grid size under 128 blocks.
+warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU under-utilization")
 
 
 # -- bit casts and the 16-bit formats (src/half.h, F. Giesen's float_to_half_fast3_rtne) -------------------
@@ -185,8 +190,9 @@ def _arith_scalar(value: float, dtype: np.dtype, fmt):
 def _launch(kernel, n: int, *args) -> None:
     if n == 0:
         return
-    kernel[min(-(-n // _THREADS), _MAX_BLOCKS), _THREADS](*args)
-    cuda.synchronize()
+    stream = cuda.default_stream()
+    kernel[min(-(-n // _THREADS), _MAX_BLOCKS), _THREADS, stream](*args)
+    stream.synchronize()  # this stream only: work of other libraries on their own streams may go on
 
 
 def reduce_into(acc, src, op: str, scale: float = 1.0) -> None:
