@@ -7,14 +7,13 @@ is re-validated here. Results are bit-identical to the host kernels (src/_reduce
 the same expressions in the same order, float16/bfloat16 widened to float32 for each operation and rounded
 once (round to nearest even) with the bit manipulation of src/half.h, so NaN encodings match too. The 16-bit
 formats are handled as uint16 views, because numba has no bfloat16 array type and because the GPU's own
-float16 conversion returns a different NaN (0x7fff) than numpy.
+float16 conversion (cvt.rn.f16.f32) may return a canonical NaN where numpy keeps the sign and payload.
 
 Each function launches one grid-stride kernel on the default stream and waits for that stream: the schedules
 hand the buffer to a CUDA-aware MPI next, which does not order itself after our stream. Inputs written by
 other streams must be complete before the call (numba waits for the stream a ``__cuda_array_interface__``
-names). Kernels are compiled
-lazily, once per (function, storage format) and then once per dtype by numba's dispatcher, which caches
-them for the life of the process.
+names). Kernels are compiled lazily, once per (function, storage format) and then once per dtype by numba's
+dispatcher, which caches them for the life of the process.
 """
 from __future__ import annotations
 
