@@ -264,7 +264,8 @@ def bench() -> list[dict]:
 def main() -> int:
     dev = cuda.get_current_device()
     name = getattr(dev, "name", b"CUDA simulator")
-    info = {"device": name.decode() if isinstance(name, bytes) else str(name), "cc": getattr(dev, "compute_capability", None),
+    info = {"device": name.decode() if isinstance(name, bytes) else str(name),
+            "cc": getattr(dev, "compute_capability", None),
             "simulator": bool(ARGS.simulate), "cupy": None if cp is None else cp.__version__,
             "numba_cuda": importlib.metadata.version("numba-cuda"), "host_kernels": HOST is not None}
     print(json.dumps(info))
