@@ -18,7 +18,7 @@ import sys
 import time
 
 DEFAULTS = {  # the recipe for the embedded digits; measured in the report of issue 6
-    "epochs": 6, "batch_schedule": "0:64,3:128", "optimizer": "lars", "lr": 4.0, "base_batch": 256,
+    "epochs": 10, "batch_schedule": "0:64,5:128", "optimizer": "lars", "lr": 4.0, "base_batch": 256,
     "warmup_epochs": 1.0, "momentum": 0.9, "weight_decay": 5e-5, "trust": 0.01, "label_smoothing": 0.1,
     "bn_momentum": 0.9, "image_size": 32,
 }
@@ -155,26 +155,30 @@ def _average_variables(comm, variables) -> None:
         offset += n
 
 
-def evaluate(model, dataset, comm) -> tuple[float, float]:
-    """Global top-1 and top-5 accuracy of ``model`` over every rank's part of ``dataset`` (exact counts,
-    one ``MPI_Allreduce`` of three numbers)."""
-    import numpy as np
-    import tensorflow as tf
-    from mpi4py import MPI
+class StepClock:
+    """Steady-state step timing: wall time from the end of an epoch's first step to the end of its last, so
+    start-up, tracing and the first step (which retraces when the batch size changes) are left out."""
 
-    @tf.function
-    def counts(x, y):
-        logits = tf.cast(model(x, training=False), tf.float32)
-        k = min(5, logits.shape[-1])
-        return (tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y), tf.float64)),
-                tf.reduce_sum(tf.cast(tf.math.in_top_k(y, logits, k), tf.float64)))
+    def start_epoch(self) -> None:
+        self.first = self.last = None
+        self.steps = 0
 
-    total = np.zeros(3)
-    for x, y in dataset:
-        top1, top5 = counts(x, y)
-        total += (len(y), float(top1), float(top5))
-    comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-    return total[1] / max(total[0], 1), total[2] / max(total[0], 1)
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.steps += 1
+        self.last = now
+
+    def images_per_s(self, global_batch: int) -> float | None:
+        return self.steps * global_batch / (self.last - self.first) if self.steps else None
+
+
+def _clock_callback(clock: StepClock):
+    import keras
+    return keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: clock.start_epoch(),
+                                          on_train_batch_end=lambda batch, logs: clock.step_done())
 
 
 class Trainer:
@@ -242,6 +246,29 @@ class Trainer:
             return images, tf.one_hot(labels, num_classes)
         return dataset.map(one_hot)
 
+    def _evaluate(self, dataset) -> tuple[float, float]:
+        """Global top-1 and top-5 accuracy over every rank's part of ``dataset`` (exact counts, one
+        ``MPI_Allreduce`` of three numbers)."""
+        import numpy as np
+        import tensorflow as tf
+        from mpi4py import MPI
+        if not hasattr(self, "_counts"):
+            model = self.model
+
+            @tf.function
+            def counts(x, y):
+                logits = tf.cast(model(x, training=False), tf.float32)
+                top1 = tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y)
+                top5 = tf.math.in_top_k(y, logits, min(5, logits.shape[-1]))
+                return tf.reduce_sum(tf.cast(top1, tf.float64)), tf.reduce_sum(tf.cast(top5, tf.float64))
+            self._counts = counts
+        total = np.zeros(3)
+        for x, y in dataset:
+            top1, top5 = self._counts(x, y)
+            total += (len(y), float(top1), float(top5))
+        self.comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+        return total[1] / max(total[0], 1), total[2] / max(total[0], 1)
+
     def _resume(self) -> tuple[int, list]:
         from torus.integrations.keras import checkpoint
         args = self.args
@@ -260,7 +287,8 @@ class Trainer:
     def _callbacks(self):
         import keras
         from torus.integrations.keras.callbacks import BatchControl
-        callbacks = self.strategy.callbacks() + [BatchControl(self.schedule, self.lr_rule)]
+        callbacks = self.strategy.callbacks() + [BatchControl(self.schedule, self.lr_rule),
+                                                 _clock_callback(self.clock)]
         logs = self.args.tensorboard or (self.args.checkpoint_dir and os.path.join(self.args.checkpoint_dir, "logs"))
         if logs and self.rank == 0:
             callbacks.append(keras.callbacks.TensorBoard(logs, update_freq="epoch"))
@@ -295,9 +323,11 @@ class Trainer:
         global_batch = self.schedule.global_batch(epoch)
         sums = np.zeros(3)
         bar = tqdm(dataset, total=steps, desc=f"epoch {epoch + 1}", disable=self.rank != 0 or not self.args.verbose)
+        self.clock.start_epoch()
         for batch, (x, y) in enumerate(bar):
             optimizer.learning_rate = self.lr_rule.lr(epoch + batch / steps, global_batch)
             loss, correct = self._step(x, y)
+            self.clock.step_done()
             sums += (len(y) * float(loss), float(correct), len(y))
             bar.set_postfix(loss=f"{sums[0] / sums[2]:.4f}", accuracy=f"{sums[1] / sums[2]:.4f}")
         self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
@@ -308,6 +338,7 @@ class Trainer:
         from torus.integrations.keras import checkpoint, data
         args = self.args
         start, history = self._resume()
+        self.clock = StepClock()
         callbacks = self._callbacks() if args.trainer == "fit" else None
         t_start = time.perf_counter()
         for epoch in range(start, args.epochs):
@@ -324,12 +355,14 @@ class Trainer:
             seconds = time.perf_counter() - t0
             _average_variables(self.comm, self.model.non_trainable_variables)
             record = {"epoch": epoch + 1, "global_batch": global_batch, "steps": steps, "seconds": seconds,
-                      "images_per_s": steps * global_batch / seconds, "loss": logs["loss"],
+                      "images_per_s": self.clock.images_per_s(global_batch) or steps * global_batch / seconds,
+                      "timed_steps": self.clock.steps, "timed_seconds": self.clock.last - self.clock.first,
+                      "loss": logs["loss"],
                       "accuracy": logs["accuracy"], "learning_rate": logs.get("learning_rate")}
             if not args.synthetic:
                 val = data.val_dataset(self.val_split, batch_size=max(per_rank, 64), image_size=args.image_size,
                                        central_fraction=0.875 if args.data else 1.0)
-                record["val_top1"], record["val_top5"] = evaluate(self.model, val, self.comm)
+                record["val_top1"], record["val_top5"] = self._evaluate(val)
             history.append(record)
             if self.rank == 0:
                 print("epoch {epoch}/{n}: batch {global_batch}, loss {loss:.4f}, accuracy {accuracy:.4f}, "
@@ -343,12 +376,11 @@ class Trainer:
 
     def _summary(self, history: list, seconds: float) -> dict:
         args = self.args
-        # the first epoch of a run traces the step function; leave it out of the throughput when we can
-        timed = history[1:] if len(history) > 1 else history
-        images = sum(r["steps"] * r["global_batch"] for r in timed)
+        images = sum(r.get("timed_steps", 0) * r["global_batch"] for r in history)
+        timed = sum(r.get("timed_seconds", 0.0) for r in history)
         last = history[-1] if history else {}
         summary = {"time_s": round(seconds, 2), "epochs": len(history),
-                   "images_per_s": images / max(sum(r["seconds"] for r in timed), 1e-9) if timed else None,
+                   "images_per_s": images / timed if images else None,
                    "val_top1": last.get("val_top1"), "val_top5": last.get("val_top5"),
                    "world_size": self.size, "algorithm": args.algorithm, "grid": list(self.strategy.torus_comm.dims),
                    "compression": args.compression, "trainer": args.trainer, "model": args.model,
