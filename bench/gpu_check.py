@@ -86,6 +86,8 @@ def _load_kernels():
 
 
 KC, HOST = _load_kernels()
+# Device calls go through the torus.kernels dispatch when it is there (so its routing is checked too).
+DEV = HOST if HOST is not None else KC
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
 DTYPES = (F16, BF16, F32, np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
@@ -159,14 +161,14 @@ def check(rng) -> list[dict]:
                     if use_cupy and dtype == BF16:
                         continue  # CuPy has no bfloat16
                     a, b = _random(rng, n, dtype), _random(rng, n, dtype)
-                    fn = (lambda x, y, op=op, scale=scale: KC.reduce_into(x, y, op, scale))
+                    fn = (lambda x, y, op=op, scale=scale: DEV.reduce_into(x, y, op, scale))
                     got = _device_run(fn, [a, b], use_cupy)[0]
                     record(f"reduce_into {op} {dtype} ({lib})", got, _numpy_reduce(a, b, op, scale),
                            lambda x, y, op=op, scale=scale: HOST.reduce_into(x, y, op, scale), [a, b], 0)
     for dtype in (F16, BF16, F32, np.dtype(np.float64)):
         buf = _random(rng, 257, dtype)
         arith = np.float64 if dtype == np.float64 else np.float32
-        got = _device_run(lambda x: KC.scale(x, 1 / 3), [buf], False)[0]
+        got = _device_run(lambda x: DEV.scale(x, 1 / 3), [buf], False)[0]
         record(f"scale {dtype}", got, (buf.astype(arith) * arith(1 / 3)).astype(dtype),
                lambda x: HOST.scale(x, 1 / 3), [buf], 0)
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -175,11 +177,11 @@ def check(rng) -> list[dict]:
     wide_bits = rng.integers(0, 1 << 32, ARGS.patterns, dtype=np.uint64).astype(np.uint32)
     for dtype in (F16, BF16):
         src = patterns.view(dtype)
-        got = _device_run(KC.widen, [src, np.zeros(src.size, np.float32)], False)[1]
+        got = _device_run(DEV.widen, [src, np.zeros(src.size, np.float32)], False)[1]
         record(f"widen {dtype}->float32 (all patterns)", got, src.astype(np.float32),
                HOST and HOST.widen, [src, np.zeros(src.size, np.float32)], 1)
         wide = wide_bits.view(np.float32)
-        got = _device_run(KC.narrow, [wide, np.zeros(wide.size, dtype)], False)[1]
+        got = _device_run(DEV.narrow, [wide, np.zeros(wide.size, dtype)], False)[1]
         with np.errstate(over="ignore"):
             want = wide.astype(dtype)
         record(f"narrow float32->{dtype} (random bit patterns)", got, want,
