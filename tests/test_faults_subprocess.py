@@ -7,7 +7,7 @@ How each kind of leaving ends the job (see torus/faults.py): a signal or ``os._e
 an uncaught exception -- torus.faults.abort_on_exception calls MPI_Abort on that rank; ``sys.exit`` (any
 status) or a rank stuck elsewhere -- the survivors' stall timeout (TORUS_TIMEOUT=3 here) raises TimeoutError,
 uncaught, so they abort. The 60 s bound is generous (a correctness property: the job ends), not a speed check.
-Budget: 8 jobs of 3 ranks, 2 to 6 s each, about 35 s in all.
+Budget: 9 jobs of 3 ranks, 2 to 6 s each, about 35 s in all.
 """
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ def _mpiexec() -> str:
     return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
-def _job(mode: str, check: bool) -> tuple[int, float, str]:
+def _job(mode: str, check: bool, python_args=()) -> tuple[int, float, str]:
     """Run the worker under ``mpiexec -n 3``; return (exit status, seconds, merged output). The job runs in
     its own session so that a job that outlives the bound is killed whole (launcher, proxy and ranks)."""
-    cmd = [_mpiexec(), "-n", "3", sys.executable, __file__, mode, "check" if check else "nocheck"]
+    cmd = [_mpiexec(), "-n", "3", sys.executable, *python_args, __file__, mode, "check" if check else "nocheck"]
     env = dict(os.environ, TORUS_TIMEOUT="3", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -80,6 +80,14 @@ def test_a_leaving_rank_ends_the_job(mode, check):
         where = "in the argument check" if check else "at step "
         survivors = [r for r in (0, 1) if f"allreduce(ring) on rank {r}: no progress for 3 s {where}" in out]
         assert survivors and "uncaught TimeoutError" in out, tail
+
+
+def test_mpi4py_launcher_aborts_on_sys_exit():
+    """``python -m mpi4py`` turns ``sys.exit(1)`` on one rank into MPI_Abort on that rank, before any timeout."""
+    rc, seconds, out = _job("sys.exit(1)", True, ["-m", "mpi4py"])
+    tail = out[-3000:]
+    assert rc != 0 and seconds < BOUND_S, tail
+    assert "MPI_Abort(MPI_COMM_WORLD, 1) - process 2" in out, tail  # rank 2 itself, not a survivor
 
 
 class _FakeWorld:
