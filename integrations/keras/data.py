@@ -122,18 +122,15 @@ def _decode(encoded):
     return image
 
 
-def _scan(dataset, where) -> list:
-    """Decode every element of ``dataset`` (pairs ``(index, encoded)``); return ``[(where(i), error)]`` for
-    the ones that fail. Failing elements are found as the indices missing after ``ignore_errors``."""
+def _scan(dataset, count: int, where) -> list:
+    """Decode every element of ``dataset`` (``count`` pairs ``(index, encoded)``); return ``[(where(i), error)]``
+    for the ones that fail: the indices missing after ``ignore_errors``."""
     sizes = dataset.map(lambda i, encoded: (i, tf.shape(_decode(encoded))[0]),
                         num_parallel_calls=tf.data.AUTOTUNE, deterministic=False).ignore_errors()
     seen = set()
-    total = 0
     for index, _ in sizes.batch(4096).as_numpy_iterator():
         seen.update(index.tolist())
-    for index, _ in dataset.map(lambda i, e: (i, 0)).batch(4096).as_numpy_iterator():
-        total = max(total, int(index.max()) + 1 if len(index) else 0)
-    return [(where(i), "cannot be decoded as an image") for i in range(total) if i not in seen]
+    return [(where(i), "cannot be decoded as an image") for i in range(count) if i not in seen]
 
 
 def open_split(root: str | Path, split: str, *, rank: int = 0, size: int = 1,
@@ -185,7 +182,7 @@ def _open_folder(folder: Path, classes: list[str], rank: int, size: int) -> Spli
     paths = [paths[i] for i in order]
     labels = np.asarray(labels, np.int32)[order]
     indexed = tf.data.Dataset.from_tensor_slices(paths).map(tf.io.read_file).enumerate()
-    bad = _scan(indexed, lambda i: paths[i])
+    bad = _scan(indexed, len(paths), lambda i: paths[i])
     bad_paths = {where for where, _ in bad}
     keep = [i for i, p in enumerate(paths) if p not in bad_paths]
     return Split("folder", [paths[i] for i in keep], labels[keep], len(classes), len(keep), bad)
@@ -212,7 +209,8 @@ def _open_tfrecords(files: list[str], rank: int, size: int, num_classes: int | N
         raise DataError(f"TFRecords {files[0]}...: image/class/label must be 1-based in [1, {top}], "
                         f"found [{labels.min()}, {labels.max()}]")
     where = f"{len(files)} file(s) from {files[0]}" if len(files) > 1 else files[0]
-    bad = _scan(parsed.map(lambda f: f["image/encoded"]).enumerate(), lambda i: f"{where}, record {i}")
+    bad = _scan(parsed.map(lambda f: f["image/encoded"]).enumerate(), len(labels),
+                lambda i: f"{where}, record {i}")
     bad_index = frozenset(int(w.rsplit(" ", 1)[1]) for w, _ in bad)
     return Split("tfrecord", files, None, top, len(labels) - len(bad), bad, record_shard, bad_index)
 
