@@ -156,3 +156,28 @@ def test_checkpoint_round_trip_and_latest(tmp_path, rng):
     assert checkpoint.restore(checkpoint.latest(tmp_path), model) == {"epoch": 3}
     for v, s in zip(model.weights + model.optimizer.variables, saved):
         np.testing.assert_array_equal(v.numpy(), s)
+
+
+def test_bad_tfrecord_is_named_and_left_out_in_every_file_order(tree, tmp_path_factory):
+    root, truth = tree
+    out = tmp_path_factory.mktemp("bad-records")
+    items = [(Path(p).read_bytes(), label) for p, (label, _) in sorted(truth.items()) if "/train/" in p]
+    items.insert(5, (b"garbage", 2))  # record 2 of file 1 below (records dealt round-robin to 2 files)
+    files = [str(out / f"train-0000{f}-of-00002") for f in range(2)]
+    for f, name in enumerate(files):
+        with tf.io.TFRecordWriter(name) as writer:
+            for encoded, label in items[f::2]:
+                feature = {"image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[encoded])),
+                           "image/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label + 1]))}
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    split = data.open_split(out, "train", num_classes=3)
+    assert [where for where, _ in split.bad] == [f"{files[1]}, record 2"] and split.count == 21
+    expected = sorted(label for encoded, label in items if encoded != b"garbage")
+    # the file order is a function of the epoch (seed 0: files 0, 1 in epoch 4, files 1, 0 in epoch 5); the bad
+    # record must be left out in both orders
+    orders = [np.random.default_rng([0, epoch, 0]).permutation(2).tolist() for epoch in (4, 5)]
+    assert orders == [[0, 1], [1, 0]]
+    for epoch in (4, 5):
+        labels = [int(y) for _, y in data.train_dataset(split, epoch=epoch, batch_size=1, steps=21, image_size=4)
+                  .unbatch().as_numpy_iterator()]
+        assert sorted(labels) == expected

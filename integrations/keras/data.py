@@ -37,6 +37,9 @@ _FEATURES = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
 _SPLIT_NAMES = {"train": ("train",), "val": ("val", "validation")}
 
 
+_UNDECODABLE = "cannot be decoded as an image"
+
+
 class DataError(RuntimeError):
     """The data folder is missing, empty, malformed, or holds a bad image under ``on_bad_image="fail"``."""
 
@@ -93,7 +96,7 @@ class Split:
     count: int
     bad: list
     record_shard: tuple | None = None
-    bad_index: frozenset = frozenset()
+    bad_keys: frozenset = frozenset()
 
 
 def _split_dir(root: Path, split: str) -> Path | None:
@@ -122,15 +125,15 @@ def _decode(encoded):
     return image
 
 
-def _scan(dataset, count: int, where) -> list:
-    """Decode every element of ``dataset`` (``count`` pairs ``(index, encoded)``); return ``[(where(i), error)]``
-    for the ones that fail: the indices missing after ``ignore_errors``."""
-    sizes = dataset.map(lambda i, encoded: (i, tf.shape(_decode(encoded))[0]),
+def _scan(dataset, keys) -> list:
+    """Decode every element of ``dataset`` (pairs ``(key, encoded)`` with the given ``keys``); return the keys
+    that fail to decode: the ones missing after ``ignore_errors``."""
+    sizes = dataset.map(lambda key, encoded: (key, tf.shape(_decode(encoded))[0]),
                         num_parallel_calls=tf.data.AUTOTUNE, deterministic=False).ignore_errors()
     seen = set()
-    for index, _ in sizes.batch(4096).as_numpy_iterator():
-        seen.update(index.tolist())
-    return [(where(i), "cannot be decoded as an image") for i in range(count) if i not in seen]
+    for key, _ in sizes.batch(4096).as_numpy_iterator():
+        seen.update(key.tolist())
+    return [key for key in keys if key not in seen]
 
 
 def open_split(root: str | Path, split: str, *, rank: int = 0, size: int = 1,
@@ -182,14 +185,20 @@ def _open_folder(folder: Path, classes: list[str], rank: int, size: int) -> Spli
     paths = [paths[i] for i in order]
     labels = np.asarray(labels, np.int32)[order]
     indexed = tf.data.Dataset.from_tensor_slices(paths).map(tf.io.read_file).enumerate()
-    bad = _scan(indexed, len(paths), lambda i: paths[i])
-    bad_paths = {where for where, _ in bad}
-    keep = [i for i, p in enumerate(paths) if p not in bad_paths]
-    return Split("folder", [paths[i] for i in keep], labels[keep], len(classes), len(keep), bad)
+    bad = set(_scan(indexed, range(len(paths))))
+    keep = [i for i in range(len(paths)) if i not in bad]
+    return Split("folder", [paths[i] for i in keep], labels[keep], len(classes), len(keep),
+                 [(paths[i], _UNDECODABLE) for i in sorted(bad)])
 
 
-def _records(files, record_shard):
-    dataset = tf.data.TFRecordDataset(files)
+def _keyed_records(files, file_ids, record_shard):
+    """``(key, serialized record)`` pairs of ``files`` read in the given order, 8 files at a time by a
+    deterministic interleave; ``key = file_id << 32 | index of the record in its file``, so a record keeps
+    its key whatever the file order. ``record_shard = (size, rank)`` deals records instead."""
+    def records(path, file_id):
+        return tf.data.TFRecordDataset(path).enumerate().map(lambda i, r: (file_id * 2 ** 32 + i, r))
+    dataset = tf.data.Dataset.from_tensor_slices((list(files), np.asarray(file_ids, np.int64))).interleave(
+        records, cycle_length=min(8, len(files)), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return dataset.shard(*record_shard) if record_shard else dataset
 
 
@@ -199,20 +208,19 @@ def _open_tfrecords(files: list[str], rank: int, size: int, num_classes: int | N
         files = files[rank::size]
     else:
         record_shard = (size, rank)
-    parsed = _records(files, record_shard).map(
-        lambda r: tf.io.parse_single_example(r, _FEATURES), num_parallel_calls=tf.data.AUTOTUNE)
-    labels = np.concatenate([b["image/class/label"] for b in
-                             parsed.map(lambda f: {"image/class/label": f["image/class/label"]})
-                             .batch(8192).as_numpy_iterator()] or [np.zeros(0, np.int64)])
+    parsed = _keyed_records(files, range(len(files)), record_shard).map(
+        lambda key, r: (key, tf.io.parse_single_example(r, _FEATURES)), num_parallel_calls=tf.data.AUTOTUNE)
+    keys, labels = np.zeros(0, np.int64), np.zeros(0, np.int64)
+    for k, y in parsed.map(lambda key, f: (key, f["image/class/label"])).batch(8192).as_numpy_iterator():
+        keys, labels = np.concatenate([keys, k]), np.concatenate([labels, y])
     top = num_classes or int(labels.max(initial=0))
     if len(labels) and (labels.min() < 1 or labels.max() > top):
         raise DataError(f"TFRecords {files[0]}...: image/class/label must be 1-based in [1, {top}], "
                         f"found [{labels.min()}, {labels.max()}]")
-    where = f"{len(files)} file(s) from {files[0]}" if len(files) > 1 else files[0]
-    bad = _scan(parsed.map(lambda f: f["image/encoded"]).enumerate(), len(labels),
-                lambda i: f"{where}, record {i}")
-    bad_index = frozenset(int(w.rsplit(" ", 1)[1]) for w, _ in bad)
-    return Split("tfrecord", files, None, top, len(labels) - len(bad), bad, record_shard, bad_index)
+    bad = _scan(parsed.map(lambda key, f: (key, f["image/encoded"])), keys.tolist())
+    return Split("tfrecord", files, None, top, len(labels) - len(bad),
+                 [(f"{files[k >> 32]}, record {k & 0xFFFFFFFF}", _UNDECODABLE) for k in bad], record_shard,
+                 frozenset(bad))
 
 
 def _augment(image, seed, image_size: int, aug: Augment):
@@ -267,12 +275,14 @@ def _examples(split: Split, order: np.ndarray | None, shuffle_seed: int | None):
             paths, labels = paths[order], labels[order]
         return tf.data.Dataset.from_tensor_slices((paths, labels)).map(
             lambda p, y: (tf.io.read_file(p), y), num_parallel_calls=tf.data.AUTOTUNE)
-    files = list(np.asarray(split.items)[order]) if order is not None else split.items
-    dataset = _records(files, split.record_shard).map(lambda r: tf.io.parse_single_example(r, _FEATURES))
-    if split.bad_index:
-        bad = tf.constant(sorted(split.bad_index), tf.int64)
-        dataset = dataset.enumerate().filter(lambda i, f: tf.reduce_all(tf.not_equal(i, bad))) \
-            .map(lambda i, f: f)
+    # dealt records need one file order on every rank and in every epoch; dealt files may be reordered
+    ids = order if order is not None and not split.record_shard else np.arange(len(split.items))
+    dataset = _keyed_records(np.asarray(split.items)[ids], ids, split.record_shard)
+    if split.bad_keys:
+        bad = tf.constant(sorted(split.bad_keys), tf.int64)
+        dataset = dataset.filter(lambda key, r: tf.reduce_all(tf.not_equal(key, bad)))
+    dataset = dataset.map(lambda key, r: tf.io.parse_single_example(r, _FEATURES),
+                          num_parallel_calls=tf.data.AUTOTUNE)
     dataset = dataset.map(lambda f: (f["image/encoded"], tf.cast(f["image/class/label"] - 1, tf.int32)))
     if shuffle_seed is not None:
         dataset = dataset.shuffle(10_000, seed=shuffle_seed, reshuffle_each_iteration=False)
