@@ -86,7 +86,8 @@ class Split:
     """One rank's shard of a split: what to read, how many good examples it holds, and the bad ones found.
 
     kind : ``"folder"`` (``items`` are image paths, ``labels`` their class indices) or ``"tfrecord"``
-        (``items`` are shard files, ``labels`` is None, ``record_shard`` says whether records are dealt).
+        (``items`` are shard files, ``labels`` is None, ``record_shard`` is ``(size, rank)`` when records
+        rather than files are dealt, ``bad_keys`` the keys of bad records, see ``_keyed_records``).
     count : good examples in this rank's shard.  bad : ``[(where, error)]`` for each bad image.
     """
     kind: str

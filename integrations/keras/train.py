@@ -17,11 +17,18 @@ import os
 import sys
 import time
 
-DEFAULTS = {  # the recipe for the embedded digits; measured in the report of issue 6
+# The recipe for the embedded digits (ResNet-50 at 32x32, 2 ranks): LARS with a 1-epoch warm-up, batch 64 then
+# 128 (the linear rule doubles the peak rate with it), poly decay, batch-norm momentum 0.9. Measured: validation
+# top-1 0.91 after epoch 5, 0.97 after 6, 0.986 after 10 (plain SGD at batch 64 needs 19 epochs for 0.90).
+DEFAULTS = {
     "epochs": 10, "batch_schedule": "0:64,5:128", "optimizer": "lars", "lr": 4.0, "base_batch": 256,
     "warmup_epochs": 1.0, "momentum": 0.9, "weight_decay": 5e-5, "trust": 0.01, "label_smoothing": 0.1,
     "bn_momentum": 0.9, "image_size": 32,
 }
+
+
+_RECIPE = ("model", "image_size", "epochs", "batch_schedule", "optimizer", "lr", "base_batch", "warmup_epochs",
+           "momentum", "weight_decay", "trust", "label_smoothing", "bn_momentum", "augment", "seed")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -282,6 +289,11 @@ class Trainer:
         state = checkpoint.restore(path, self.model)
         if self.rank == 0:
             print(f"torus-train: resumed from {path} after epoch {state['epoch']}", flush=True)
+            saved = state.get("args", {})
+            changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in _RECIPE
+                       if k in saved and saved[k] != getattr(args, k)]
+            if changed:  # legal (e.g. more epochs), but the run no longer continues the interrupted one exactly
+                print("torus-train: warning: resuming with a changed recipe: " + ", ".join(changed), flush=True)
         return int(state["epoch"]), list(state["history"])
 
     def _callbacks(self):
