@@ -5,7 +5,6 @@ Budget: about 25 s at 2 ranks (tracing dominates), less at 1.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,8 +34,9 @@ def shared_tmp(world):
 @pytest.fixture(scope="module")
 def digits8(shared_tmp, world):
     """The embedded digits set at 8x8 pixels, built by rank 0 into the shared folder."""
-    os.environ["TORUS_CACHE"] = str(shared_tmp / "cache")
-    root = digits.ensure_digits(8) if world.Get_rank() == 0 else None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORUS_CACHE", str(shared_tmp / "cache"))
+        root = digits.ensure_digits(8) if world.Get_rank() == 0 else None
     return Path(world.bcast(str(root) if root else None, root=0))
 
 

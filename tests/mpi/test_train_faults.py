@@ -76,8 +76,9 @@ def _arrays(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    os.environ["TORUS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    return digits.ensure_digits(8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORUS_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return digits.ensure_digits(8)
 
 
 def test_sigkill_in_epoch_and_mid_checkpoint_then_resume_matches_uninterrupted(data, tmp_path):
