@@ -409,12 +409,18 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     threads = _configure_tensorflow(args, comm)
+    from torus.faults import abort_on_exception
     from torus.integrations.keras.data import DataError
+    if comm.Get_size() > 1:
+        # An error on one rank must end the whole job: otherwise the other ranks wait in the next
+        # collective until the stall timeout (torus.faults explains what hydra does on its own).
+        abort_on_exception(comm)
     try:
         summary = Trainer(args, comm, threads).run()
     except DataError as exc:
-        if comm.Get_rank() == 0:
-            print(f"torus-train: error: {exc}", file=sys.stderr, flush=True)
+        print(f"torus-train: error on rank {comm.Get_rank()}: {exc}", file=sys.stderr, flush=True)
+        if comm.Get_size() > 1:
+            comm.Abort(2)
         return 2
     if comm.Get_rank() == 0:
         print(json.dumps(summary), flush=True)
