@@ -1,0 +1,41 @@
+"""algorithm="auto": the table's rows, the grid rule and the TORUS_ALGO override."""
+import pytest
+
+from torus.select import ALGORITHMS, TABLE, choose
+
+
+def _expected(nbytes, size):
+    # An independent reading of the table: the first row whose limits both admit the call.
+    for max_size, max_nbytes, algo in TABLE:
+        if (max_size is None or size <= max_size) and (max_nbytes is None or nbytes <= max_nbytes):
+            return algo
+
+
+@pytest.mark.parametrize("size,dims", [(2, (1, 2)), (3, (1, 3)), (4, (2, 2)), (6, (2, 3)), (6, (6, 1))])
+@pytest.mark.parametrize("nbytes", [0, 4, 256 * 1024, 256 * 1024 + 4, 8 << 20, (8 << 20) + 4, 256 << 20])
+def test_table(monkeypatch, size, dims, nbytes):
+    monkeypatch.delenv("TORUS_ALGO", raising=False)
+    want = _expected(nbytes, size)
+    if want == "torus2d" and 1 in dims:
+        want = "ring"
+    assert choose("allreduce", nbytes, size, dims) == want
+
+
+def test_small_is_native_large_is_a_schedule(monkeypatch):
+    monkeypatch.delenv("TORUS_ALGO", raising=False)
+    assert choose("allreduce", 4, 4, (2, 2)) == "native"
+    assert choose("allreduce", 256 << 20, 4, (2, 2)) == "torus2d"
+    assert choose("allreduce", 256 << 20, 2, (1, 2)) == "ring"
+    assert choose("allgather", 256 << 20, 1, (1, 1)) == "native"
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_override(monkeypatch, algo):
+    monkeypatch.setenv("TORUS_ALGO", algo)
+    assert choose("reduce_scatter", 4, 4, (2, 2)) == algo
+
+
+def test_bad_override(monkeypatch):
+    monkeypatch.setenv("TORUS_ALGO", "butterfly")
+    with pytest.raises(ValueError, match="reduce_scatter: TORUS_ALGO='butterfly'"):
+        choose("reduce_scatter", 4, 4, (2, 2))
