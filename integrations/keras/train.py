@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
+    if args.warmup_epochs >= args.epochs:
+        p.error(f"--warmup-epochs {args.warmup_epochs:g} must be below --epochs {args.epochs} "
+                "(the learning rate decays after the warm-up)")
     return args
 
 
