@@ -1,8 +1,9 @@
 /* Inner loops of the host reduction kernels (src/_reduce.pyx calls them; no validation here).
  *
- * Each loop is a plain C loop over restrict pointers, compiled twice through GCC/Clang function multi-
- * versioning: an x86-64-v3 clone (AVX2/FMA) and the baseline; the loader picks one per CPU at start-up, so one
- * build runs everywhere and uses the wide vectors where they exist. float16 has, in addition, an F16C path
+ * Each loop is a plain C loop over restrict pointers, compiled three times through GCC/Clang function multi-
+ * versioning: x86-64-v4 (AVX-512, what numpy itself dispatches to), x86-64-v3 (AVX2/FMA) and the baseline;
+ * the loader picks one per CPU at start-up, so one build runs everywhere and uses the wide vectors where they
+ * exist. float16 has, in addition, an F16C path
  * (hardware half<->float conversion, 8 lanes at a time) chosen at run time; both round to nearest even, so
  * results are bit-identical to the portable path except for NaN payloads, which no caller relies on.
  */
@@ -14,7 +15,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(TORUS_NO_CLONES)
 #define TORUS_X86 1
-#define TORUS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define TORUS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #include <immintrin.h>
 #else
 #define TORUS_CLONES
