@@ -1,8 +1,9 @@
 """TorusComm: an mpi4py intracommunicator seen as a periodic X x Y grid, with ring, hierarchical, 2D-torus
 and native reduce-scatter, all-gather and all-reduce.
 
-Buffers are numpy arrays (host) or objects with ``__cuda_array_interface__`` (device; needs a CUDA-aware MPI),
-C-contiguous, of dtype float16, bfloat16, float32, float64, int32 or int64. Counts are in elements. Every
+Buffers are numpy arrays (host memory; device arrays are refused with a TypeError for now: the kernel layer
+handles them, the schedules would need a CUDA-aware MPI), C-contiguous, of dtype float16, bfloat16, float32,
+float64, int32 or int64. Counts are in elements. Every
 argument is checked on the calling rank before any message is sent; a bad one raises ``ValueError`` or
 ``TypeError`` naming the operation and the rank. With ``check=True`` (the default; ``TORUS_CHECK=0`` turns it
 off) each call first all-gathers a 64-byte signature (collective, op, dtype, count, algorithm, segment size,
@@ -125,13 +126,17 @@ class TorusComm:
     def _array(self, what: str, name: str, buf, writable: bool):
         if buf is None or buf is MPI.IN_PLACE:
             self._fail(what, ValueError, f"{name} is required")
-        if not hasattr(buf, "__cuda_array_interface__"):
-            if not isinstance(buf, np.ndarray):
-                self._fail(what, TypeError, f"{name} must be a numpy or CUDA array, got {type(buf).__name__}")
-            if not buf.flags.c_contiguous:
-                self._fail(what, ValueError, f"{name} is not C-contiguous (pass np.ascontiguousarray(...))")
-            if writable and not buf.flags.writeable:
-                self._fail(what, ValueError, f"{name} is read-only")
+        if not isinstance(buf, np.ndarray):
+            if hasattr(buf, "__cuda_array_interface__"):
+                # The kernels handle device memory (torus.kernels.cuda); the schedules do not yet: they need
+                # a CUDA-aware MPI and device-side copies, which no test machine here has.
+                self._fail(what, TypeError, f"{name} is a device array; collectives on device buffers are "
+                                            "not supported yet: copy it to a numpy array first")
+            self._fail(what, TypeError, f"{name} must be a numpy array, got {type(buf).__name__}")
+        if not buf.flags.c_contiguous:
+            self._fail(what, ValueError, f"{name} is not C-contiguous (pass np.ascontiguousarray(...))")
+        if writable and not buf.flags.writeable:
+            self._fail(what, ValueError, f"{name} is read-only")
         return buf
 
     def _prepare(self, what: str, sendbuf, recvbuf, op: str, expected):

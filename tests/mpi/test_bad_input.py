@@ -144,3 +144,14 @@ def test_torus_comm_rejects_before_building_communicators(real, kwargs):
     with pytest.raises(ValueError, match=rf"^TorusComm on rank {RANK}: "):
         torus.TorusComm(**kwargs)
     assert real.allreduce(np.ones(3, F32), op="sum", algorithm="ring").tolist() == [SIZE] * 3
+
+
+def test_device_array_is_refused_before_any_message(world):
+    """An object with __cuda_array_interface__ (here a stand-in, no GPU needed) gets a clear TypeError."""
+    class FakeDevice:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+    tc = torus.TorusComm(check=False)
+    with pytest.raises(TypeError, match=f"allreduce on rank {world.Get_rank()}: sendbuf is a device array"):
+        tc.allreduce(FakeDevice())
+    tc.Free()
