@@ -22,7 +22,7 @@ from torus import faults, kernels
 from torus.algorithms import hierarchical, native, ring, torus2d
 from torus.algorithms.executor import Executor
 from torus.errors import MismatchError
-from torus.ops import DTYPE_CODE, OP_CODE, OPS, check_op_dtype
+from torus.ops import DTYPE_CODE, OPS, check_op_dtype
 from torus.partition import displacements
 from torus.select import ALGORITHMS, choose
 

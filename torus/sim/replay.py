@@ -19,7 +19,6 @@ from collections import defaultdict
 import numpy as np
 
 from torus.sim.model import Cost, Layout, SimulationError
-from torus.sim.plans import Arrays
 
 _TAG_MOD = 32767  # the executor's tag is the step index modulo this
 
