@@ -108,12 +108,13 @@ def test_abort_on_exception_prints_then_aborts(monkeypatch, capsys, exc, status)
     from torus import faults
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(faults, "ABORT_GRACE_S", 0)
     world = _FakeWorld()
     faults.abort_on_exception(world)
     faults.abort_on_exception(world)  # installing twice must not print or abort twice
     sys.excepthook(type(exc), exc, None)
     err = capsys.readouterr().err
-    assert err.count(f"[rank 5] uncaught {type(exc).__name__}; aborting the MPI job") == 1, err
+    assert err.count(f"[rank 5] uncaught {type(exc).__name__}; aborting the MPI job: {exc}\n") == 1, err
     assert f"{type(exc).__name__}" in err.splitlines()[-1], err
     assert world.aborted == [status]
 

@@ -31,6 +31,10 @@ from mpi4py import MPI
 
 from torus.errors import TimeoutError as TorusTimeout
 
+# Seconds between an uncaught exception's report and MPI_Abort, so the launcher forwards the report first.
+ABORT_GRACE_S = 0.5
+
+
 def wait(req: MPI.Request, timeout: float | None, message) -> None:
     """Complete ``req``, or raise :class:`torus.errors.TimeoutError` with ``message()`` after ``timeout`` s.
 
@@ -62,10 +66,15 @@ def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
     previous = getattr(sys.excepthook, "torus_previous", sys.excepthook)
 
     def hook(exc_type, exc, tb):
-        sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught {exc_type.__name__}; aborting the MPI job\n")
+        # The reason goes out first, in one write: another rank's Abort may kill this process (and hydra may
+        # drop its unforwarded output) at any moment after this, so the traceback is best effort.
+        sys.stdout.flush()
+        sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught {exc_type.__name__}; aborting the MPI job: {exc}\n")
+        sys.stderr.flush()
         previous(exc_type, exc, tb)
         sys.stderr.flush()
-        sys.stdout.flush()
+        # Give the launcher's output forwarding a moment to drain before Abort tears the job down.
+        time.sleep(ABORT_GRACE_S)
         comm.Abort(130 if issubclass(exc_type, KeyboardInterrupt) else status)
 
     hook.torus_previous = previous
