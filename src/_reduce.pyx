@@ -1,13 +1,22 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Host reduction kernels: ``acc[i] = op(acc[i], src[i])`` (optionally times ``scale``), no validation.
+"""Host reduction kernel: ``acc[i] = op(acc[i], src[i])`` (times ``scale`` for a sum when ``scale != 1``),
+or the same into a third array ``out``.
 
-Private: ``torus.kernels`` validates dtypes, shapes and contiguity and then calls these. Every function
-takes 1-D C-contiguous numpy arrays of equal length and dtype; float16/bfloat16 arrive as uint16 views and
-are widened to float32 for each operation and rounded once (round-to-nearest-even) when stored. The loops
-themselves are in loops.h (vectorised per CPU); this module splits the work across OpenMP threads.
+Private: ``torus.kernels.reduce_into`` calls :func:`reduce`. One entry point for every dtype, taking numpy
+arrays through numpy's C API: the schedules call it once per segment, often on a few KiB, where the cost of
+the call itself (Cython's fused-type dispatch and two typed memoryviews, about 1 us) used to exceed the loop.
+float16/bfloat16 are widened to float32 for each operation and rounded once (round-to-nearest-even) when
+stored. The loops themselves are in loops.h (vectorised per CPU); this module splits the work across OpenMP
+threads.
 """
+cimport numpy as cnp
 from cython.parallel cimport prange
 from libc.stdint cimport int32_t, int64_t, uint16_t
+
+import ml_dtypes
+import numpy as np
+
+cnp.import_array()
 
 cdef extern from "loops.h" nogil:
     void torus_reduce_f32(float* acc, const float* src, Py_ssize_t n, int op, float s, int scaled)
@@ -16,12 +25,22 @@ cdef extern from "loops.h" nogil:
     void torus_reduce_i64(int64_t* acc, const int64_t* src, Py_ssize_t n, int op, int64_t s, int scaled)
     void torus_reduce_f16(uint16_t* acc, const uint16_t* src, Py_ssize_t n, int op, float s)
     void torus_reduce_bf16(uint16_t* acc, const uint16_t* src, Py_ssize_t n, int op, float s)
+    void torus_reduce_f323(float* out, const float* a, const float* b, Py_ssize_t n, int op, float s, int scaled)
+    void torus_reduce_f643(double* out, const double* a, const double* b, Py_ssize_t n, int op, double s,
+                           int scaled)
+    void torus_reduce_i323(int32_t* out, const int32_t* a, const int32_t* b, Py_ssize_t n, int op, int32_t s,
+                           int scaled)
+    void torus_reduce_i643(int64_t* out, const int64_t* a, const int64_t* b, Py_ssize_t n, int op, int64_t s,
+                           int scaled)
+    void torus_reduce_f163(uint16_t* out, const uint16_t* a, const uint16_t* b, Py_ssize_t n, int op, float s)
+    void torus_reduce_bf163(uint16_t* out, const uint16_t* a, const uint16_t* b, Py_ssize_t n, int op, float s)
 
-ctypedef fused native_t:
-    float
-    double
-    int32_t
-    int64_t
+# Kinds of element the loops know.
+cdef enum:
+    F32, F64, I32, I64, F16, BF16
+
+# ml_dtypes registers bfloat16 as a user-defined numpy type; its type number is fixed once imported.
+cdef int BF16_TYPENUM = np.dtype(ml_dtypes.bfloat16).num
 
 # Below this many elements per thread a parallel region costs more than it saves.
 cdef Py_ssize_t MIN_PER_THREAD = 1 << 16
@@ -35,59 +54,97 @@ cdef inline int _threads(Py_ssize_t n, int nthreads) noexcept nogil:
     return nthreads if nthreads > 1 else 1
 
 
-cdef inline void _native(native_t* acc, const native_t* src, Py_ssize_t n, int op, double scale) noexcept nogil:
+cdef int _kind(cnp.ndarray a) except -1:
+    cdef int num = cnp.PyArray_TYPE(a)
+    cdef Py_ssize_t size = cnp.PyArray_ITEMSIZE(a)
+    if num == cnp.NPY_FLOAT32:
+        return F32
+    if num == cnp.NPY_FLOAT64:
+        return F64
+    if num == cnp.NPY_FLOAT16:
+        return F16
+    if num == BF16_TYPENUM:
+        return BF16
+    if cnp.PyArray_ISINTEGER(a) and cnp.PyArray_ISSIGNED(a) and (size == 4 or size == 8):
+        return I32 if size == 4 else I64
+    raise TypeError(f"torus reduce kernel: unsupported dtype {a.dtype}")
+
+
+cdef void _loop(int kind, char* out, const char* a, const char* b, Py_ssize_t n, int op,
+               double scale) noexcept nogil:
+    """out = op(a, b); out is a (in place) or overlaps neither."""
     cdef int scaled = scale != 1.0
-    if native_t is float:
-        torus_reduce_f32(acc, src, n, op, <float>scale, scaled)
-    elif native_t is double:
-        torus_reduce_f64(acc, src, n, op, scale, scaled)
-    elif native_t is int32_t:
-        torus_reduce_i32(acc, src, n, op, <int32_t>scale, scaled)
+    if out == a:
+        if kind == F32:
+            torus_reduce_f32(<float*>out, <const float*>b, n, op, <float>scale, scaled)
+        elif kind == F64:
+            torus_reduce_f64(<double*>out, <const double*>b, n, op, scale, scaled)
+        elif kind == I32:
+            torus_reduce_i32(<int32_t*>out, <const int32_t*>b, n, op, <int32_t>scale, scaled)
+        elif kind == I64:
+            torus_reduce_i64(<int64_t*>out, <const int64_t*>b, n, op, <int64_t>scale, scaled)
+        elif kind == F16:
+            torus_reduce_f16(<uint16_t*>out, <const uint16_t*>b, n, op, <float>scale)
+        else:
+            torus_reduce_bf16(<uint16_t*>out, <const uint16_t*>b, n, op, <float>scale)
+    elif kind == F32:
+        torus_reduce_f323(<float*>out, <const float*>a, <const float*>b, n, op, <float>scale, scaled)
+    elif kind == F64:
+        torus_reduce_f643(<double*>out, <const double*>a, <const double*>b, n, op, scale, scaled)
+    elif kind == I32:
+        torus_reduce_i323(<int32_t*>out, <const int32_t*>a, <const int32_t*>b, n, op, <int32_t>scale, scaled)
+    elif kind == I64:
+        torus_reduce_i643(<int64_t*>out, <const int64_t*>a, <const int64_t*>b, n, op, <int64_t>scale, scaled)
+    elif kind == F16:
+        torus_reduce_f163(<uint16_t*>out, <const uint16_t*>a, <const uint16_t*>b, n, op, <float>scale)
     else:
-        torus_reduce_i64(acc, src, n, op, <int64_t>scale, scaled)
+        torus_reduce_bf163(<uint16_t*>out, <const uint16_t*>a, <const uint16_t*>b, n, op, <float>scale)
 
 
-cdef inline void _half(uint16_t* acc, const uint16_t* src, Py_ssize_t n, int op, float scale,
-                       int fmt) noexcept nogil:
-    if fmt == 0:
-        torus_reduce_f16(acc, src, n, op, scale)
-    else:
-        torus_reduce_bf16(acc, src, n, op, scale)
+cdef inline bint _overlap(const char* p, const char* q, Py_ssize_t nbytes) noexcept nogil:
+    return p < q + nbytes and q < p + nbytes
 
 
-def reduce_native(native_t[::1] acc, const native_t[::1] src, int op, double scale, int nthreads):
-    """acc = op(acc, src) [* scale for SUM]; 1-D, same length; float32/float64/int32/int64."""
-    cdef Py_ssize_t n = acc.shape[0], b, lo, hi, block
-    cdef int t = _threads(n, nthreads)
+def reduce(cnp.ndarray acc not None, cnp.ndarray src not None, int op, double scale, int nthreads,
+           cnp.ndarray out=None):
+    """acc = op(acc, src) [* scale for sum]; or, with ``out``, out = op(acc, src) and acc is only read.
+
+    C-contiguous arrays of equal size and dtype; the written one writeable; ``out`` either is ``acc`` or
+    overlaps neither operand. op: 0 sum, 1 prod, 2 min, 3 max. Raises TypeError for another dtype and
+    ValueError for arrays that do not fit; these checks read only the array headers (tens of nanoseconds)."""
+    cdef Py_ssize_t n = cnp.PyArray_SIZE(acc), b, lo, hi, block, item, nbytes
+    cdef int kind = _kind(acc), t
+    cdef char* o
+    cdef const char* a
+    cdef const char* s
+    if out is None:
+        out = acc
+    if (cnp.PyArray_TYPE(src) != cnp.PyArray_TYPE(acc) or cnp.PyArray_SIZE(src) != n
+            or cnp.PyArray_TYPE(out) != cnp.PyArray_TYPE(acc) or cnp.PyArray_SIZE(out) != n):
+        raise ValueError(f"torus reduce kernel: acc is {n} x {acc.dtype}, src is {src.size} x {src.dtype}, "
+                         f"out is {out.size} x {out.dtype}")
+    if not (cnp.PyArray_IS_C_CONTIGUOUS(acc) and cnp.PyArray_IS_C_CONTIGUOUS(src)
+            and cnp.PyArray_IS_C_CONTIGUOUS(out)):
+        raise ValueError("torus reduce kernel: acc, src and out must be C-contiguous")
+    if not cnp.PyArray_ISWRITEABLE(out):
+        raise ValueError("torus reduce kernel: the output (acc or out) is read-only")
     if n == 0:
         return
+    o = <char*>cnp.PyArray_DATA(out)
+    a = <const char*>cnp.PyArray_DATA(acc)
+    s = <const char*>cnp.PyArray_DATA(src)
+    item = cnp.PyArray_ITEMSIZE(acc)
+    nbytes = n * item
+    if o != a and (_overlap(o, a, nbytes) or _overlap(o, s, nbytes)):
+        raise ValueError("torus reduce kernel: out overlaps an operand without being acc")
+    t = _threads(n, nthreads)
     with nogil:
         if t == 1:
-            _native(&acc[0], &src[0], n, op, scale)
+            _loop(kind, o, a, s, n, op, scale)
         else:
             block = (n + t - 1) // t
             for b in prange(t, num_threads=t, schedule='static'):
                 lo = b * block
                 hi = lo + block if lo + block < n else n
                 if hi > lo:
-                    _native(&acc[lo], &src[lo], hi - lo, op, scale)
-
-
-def reduce_half(uint16_t[::1] acc, const uint16_t[::1] src, int op, double scale, int fmt,
-                int nthreads):
-    """The same for float16 (fmt 0) or bfloat16 (fmt 1) stored as uint16, float32 arithmetic."""
-    cdef Py_ssize_t n = acc.shape[0], b, lo, hi, block
-    cdef int t = _threads(n, nthreads)
-    cdef float s = <float>scale
-    if n == 0:
-        return
-    with nogil:
-        if t == 1:
-            _half(&acc[0], &src[0], n, op, s, fmt)
-        else:
-            block = (n + t - 1) // t
-            for b in prange(t, num_threads=t, schedule='static'):
-                lo = b * block
-                hi = lo + block if lo + block < n else n
-                if hi > lo:
-                    _half(&acc[lo], &src[lo], hi - lo, op, s, fmt)
+                    _loop(kind, o + lo * item, a + lo * item, s + lo * item, hi - lo, op, scale)

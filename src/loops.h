@@ -26,16 +26,27 @@ enum { TORUS_SUM = 0, TORUS_PROD = 1, TORUS_MIN = 2, TORUS_MAX = 3 };
 #define TORUS_MIN_OF(a, b) ((b) < (a) ? (b) : (a))
 #define TORUS_MAX_OF(a, b) ((b) > (a) ? (b) : (a))
 
-/* acc = op(acc, src) [then * s for SUM when s != 1] for one native type T. */
+/* acc = op(acc, src) [then * s for SUM when s != 1] for one native type T (in place: NAME), and
+ * out = op(a, b) into a third array that overlaps neither operand (NAME##3, so out-of-place collectives skip
+ * the copy of sendbuf into recvbuf). Two functions rather than one with out == a: restrict forbids that
+ * aliasing, and without restrict the compiler guards the vector loop with an overlap test that out == a fails. */
+#define TORUS_NATIVE_LOOPS(OUT, A, B, T, s, scaled)                                                         \
+    if (op == TORUS_SUM && scaled) { for (i = 0; i < n; i++) OUT[i] = (A[i] + B[i]) * s; }                  \
+    else if (op == TORUS_SUM) { for (i = 0; i < n; i++) OUT[i] = A[i] + B[i]; }                             \
+    else if (op == TORUS_PROD) { for (i = 0; i < n; i++) OUT[i] = A[i] * B[i]; }                            \
+    else if (op == TORUS_MIN) { for (i = 0; i < n; i++) OUT[i] = TORUS_MIN_OF(A[i], B[i]); }                \
+    else { for (i = 0; i < n; i++) OUT[i] = TORUS_MAX_OF(A[i], B[i]); }
+
 #define TORUS_NATIVE(T, NAME)                                                                               \
     TORUS_CLONES static void NAME(T *restrict acc, const T *restrict src, ptrdiff_t n, int op, T s,         \
                                   int scaled) {                                                             \
         ptrdiff_t i;                                                                                        \
-        if (op == TORUS_SUM && scaled) { for (i = 0; i < n; i++) acc[i] = (acc[i] + src[i]) * s; }          \
-        else if (op == TORUS_SUM) { for (i = 0; i < n; i++) acc[i] = acc[i] + src[i]; }                    \
-        else if (op == TORUS_PROD) { for (i = 0; i < n; i++) acc[i] = acc[i] * src[i]; }                    \
-        else if (op == TORUS_MIN) { for (i = 0; i < n; i++) acc[i] = TORUS_MIN_OF(acc[i], src[i]); }        \
-        else { for (i = 0; i < n; i++) acc[i] = TORUS_MAX_OF(acc[i], src[i]); }                             \
+        TORUS_NATIVE_LOOPS(acc, acc, src, T, s, scaled)                                                     \
+    }                                                                                                       \
+    TORUS_CLONES static void NAME##3(T *restrict out, const T *restrict a, const T *restrict b, ptrdiff_t n, \
+                                     int op, T s, int scaled) {                                             \
+        ptrdiff_t i;                                                                                        \
+        TORUS_NATIVE_LOOPS(out, a, b, T, s, scaled)                                                         \
     }
 
 TORUS_NATIVE(float, torus_reduce_f32)
@@ -43,49 +54,71 @@ TORUS_NATIVE(double, torus_reduce_f64)
 TORUS_NATIVE(int32_t, torus_reduce_i32)
 TORUS_NATIVE(int64_t, torus_reduce_i64)
 
-/* 16-bit formats in float32 arithmetic with one rounding: W widens, N narrows. */
+/* 16-bit formats in float32 arithmetic with one rounding: W widens, N narrows; NAME in place, NAME##3 into
+ * a third array, as above. */
+#define TORUS_HALF_LOOPS(OUT, A, B, W, N)                                                                   \
+    if (op == TORUS_SUM) { for (i = 0; i < n; i++) OUT[i] = N((W(A[i]) + W(B[i])) * s); }                  \
+    else if (op == TORUS_PROD) { for (i = 0; i < n; i++) OUT[i] = N(W(A[i]) * W(B[i])); }                   \
+    else if (op == TORUS_MIN) {                                                                             \
+        for (i = 0; i < n; i++) { float a_ = W(A[i]), b_ = W(B[i]); OUT[i] = N(TORUS_MIN_OF(a_, b_)); }     \
+    } else {                                                                                                \
+        for (i = 0; i < n; i++) { float a_ = W(A[i]), b_ = W(B[i]); OUT[i] = N(TORUS_MAX_OF(a_, b_)); }     \
+    }
+
 #define TORUS_HALF(NAME, W, N)                                                                              \
     TORUS_CLONES static void NAME(uint16_t *restrict acc, const uint16_t *restrict src, ptrdiff_t n, int op, \
                                   float s) {                                                                \
         ptrdiff_t i;                                                                                        \
-        if (op == TORUS_SUM) { for (i = 0; i < n; i++) acc[i] = N((W(acc[i]) + W(src[i])) * s); }           \
-        else if (op == TORUS_PROD) { for (i = 0; i < n; i++) acc[i] = N(W(acc[i]) * W(src[i])); }           \
-        else if (op == TORUS_MIN) {                                                                         \
-            for (i = 0; i < n; i++) { float a = W(acc[i]), b = W(src[i]); acc[i] = N(TORUS_MIN_OF(a, b)); } \
-        } else {                                                                                            \
-            for (i = 0; i < n; i++) { float a = W(acc[i]), b = W(src[i]); acc[i] = N(TORUS_MAX_OF(a, b)); } \
-        }                                                                                                   \
+        TORUS_HALF_LOOPS(acc, acc, src, W, N)                                                               \
+    }                                                                                                       \
+    TORUS_CLONES static void NAME##3(uint16_t *restrict out, const uint16_t *restrict a,                    \
+                                     const uint16_t *restrict b, ptrdiff_t n, int op, float s) {            \
+        ptrdiff_t i;                                                                                        \
+        TORUS_HALF_LOOPS(out, a, b, W, N)                                                                   \
     }
 
 TORUS_HALF(torus_reduce_f16_portable, f16_to_f32, f32_to_f16)
 TORUS_HALF(torus_reduce_bf16, bf16_to_f32, f32_to_bf16)
 
 #ifdef TORUS_X86
+/* out may equal a (the in-place call): each 8-lane block is loaded before it is stored. */
 __attribute__((target("avx2,f16c,fma")))
-static void torus_reduce_f16_f16c(uint16_t *restrict acc, const uint16_t *restrict src, ptrdiff_t n, int op,
-                                  float s) {
+static void torus_reduce_f16_f16c(uint16_t *out, const uint16_t *a, const uint16_t *restrict b, ptrdiff_t n,
+                                  int op, float s) {
     const __m256 vs = _mm256_set1_ps(s);
     ptrdiff_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(acc + i)));
-        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i)));
+        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+        __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));
         __m256 r;
-        if (op == TORUS_SUM) r = _mm256_mul_ps(_mm256_add_ps(a, b), vs);
-        else if (op == TORUS_PROD) r = _mm256_mul_ps(a, b);
-        else if (op == TORUS_MIN) r = _mm256_min_ps(b, a);  /* (b < a) ? b : a, as the scalar loop */
-        else r = _mm256_max_ps(b, a);
-        _mm_storeu_si128((__m128i *)(acc + i), _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT));
+        if (op == TORUS_SUM) r = _mm256_mul_ps(_mm256_add_ps(x, y), vs);
+        else if (op == TORUS_PROD) r = _mm256_mul_ps(x, y);
+        else if (op == TORUS_MIN) r = _mm256_min_ps(y, x);  /* (y < x) ? y : x, as the scalar loop */
+        else r = _mm256_max_ps(y, x);
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT));
     }
-    torus_reduce_f16_portable(acc + i, src + i, n - i, op, s);
+    if (out == a) torus_reduce_f16_portable(out + i, b + i, n - i, op, s);
+    else torus_reduce_f16_portable3(out + i, a + i, b + i, n - i, op, s);
+}
+
+static inline int torus_has_f16c(void) {
+    static int f16c = -1;
+    if (f16c < 0) f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+    return f16c;
 }
 
 static inline void torus_reduce_f16(uint16_t *acc, const uint16_t *src, ptrdiff_t n, int op, float s) {
-    static int f16c = -1;
-    if (f16c < 0) f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
-    if (f16c) torus_reduce_f16_f16c(acc, src, n, op, s);
+    if (torus_has_f16c()) torus_reduce_f16_f16c(acc, acc, src, n, op, s);
     else torus_reduce_f16_portable(acc, src, n, op, s);
+}
+
+static inline void torus_reduce_f163(uint16_t *out, const uint16_t *a, const uint16_t *b, ptrdiff_t n, int op,
+                                     float s) {
+    if (torus_has_f16c()) torus_reduce_f16_f16c(out, a, b, n, op, s);
+    else torus_reduce_f16_portable3(out, a, b, n, op, s);
 }
 #else
 #define torus_reduce_f16 torus_reduce_f16_portable
+#define torus_reduce_f163 torus_reduce_f16_portable3
 #endif
 #endif

@@ -106,6 +106,19 @@ def test_reduce_into_matches_numpy_and_host(rng, dtype, op, n):
     _assert_bits_equal(src_after, src, f"reduce_into({op}, {dtype}, n={n}) wrote to src")
 
 
+@pytest.mark.parametrize("dtype,op", CASES, ids=[f"{dt}-{op}" for dt, op in CASES])
+def test_reduce_into_out_matches_host(rng, dtype, op):
+    """out = op(acc, src) on the device: the host's bits, acc and src untouched."""
+    acc, src, out = _random(rng, 257, dtype), _random(rng, 257, dtype), np.zeros(257, dtype)
+    scale = 1 / 3 if op == "avg" else 1.0
+    fn = lambda a, s, o: kernels.reduce_into(a, s, op, scale, o)  # noqa: E731
+    acc_after, src_after, got = _on_device(fn, acc, src, out)
+    _assert_bits_equal(got, _numpy_reduce(acc, src, op, scale), f"reduce_into({op}, {dtype}, out) vs numpy")
+    _assert_bits_equal(got, _on_host(fn, acc, src, out)[2], f"reduce_into({op}, {dtype}, out) vs host")
+    _assert_bits_equal(acc_after, acc, f"reduce_into({op}, {dtype}, out) wrote to acc")
+    _assert_bits_equal(src_after, src, f"reduce_into({op}, {dtype}, out) wrote to src")
+
+
 # Values where rounding and comparisons go wrong first: signed zeros, subnormals of both 16-bit formats and
 # of float32, the largest finite values, infinities, NaN of both signs, and exact ties.
 SPECIAL_F32 = np.array(

@@ -63,6 +63,28 @@ def test_reduce_into_matches_numpy(op, dtype, n, rng):
 
 
 @pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
+def test_reduce_into_out_leaves_both_operands(op, dtype, n, rng):
+    """The three-operand form (out = op(acc, src)) gives the in-place form's bits and reads acc only."""
+    a, b = _operands(rng, dtype, op, n)
+    acc, src = a.copy(), b.copy()
+    out = np.full(n, 7, dtype)
+    kernels.reduce_into(acc, src, op, 1.0, out)
+    np.testing.assert_array_equal(_bits(out), _bits(_expected(a, b, op)))
+    np.testing.assert_array_equal(_bits(acc), _bits(a))
+    np.testing.assert_array_equal(_bits(src), _bits(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:4], ids=str)
+def test_reduce_into_out_fuses_the_scale(dtype, rng):
+    a, b = _operands(rng, dtype, "sum", 300_001)
+    out = np.empty_like(a)
+    kernels.reduce_into(a, b, "sum", 1 / 3, out)
+    np.testing.assert_array_equal(_bits(out), _bits(_expected(a, b, "sum", 1 / 3)))
+
+
+@pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("dtype", DTYPES[:4], ids=str)
 @pytest.mark.parametrize("factor", [1 / 3, 0.25, 1 / 6])
 def test_reduce_into_fuses_the_avg_scale(factor, dtype, n, rng):
@@ -137,3 +159,35 @@ def test_ties_round_to_even():
         out = np.zeros(3, dtype)
         kernels.narrow(src, out)
         assert out.astype(np.float64).tolist() == [1.0, 1 + 4 * half_ulp, -1.0]
+
+
+def _read_only(n):
+    a = np.ones(n, np.float32)
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize("acc, src, error, words", [
+    (np.ones(3, np.float32), np.ones(4, np.float32), ValueError, "3 x float32, src is 4 x float32"),
+    (np.ones(4, np.float32), np.ones(4, np.float64), ValueError, "src is 4 x float64"),
+    (np.ones(8, np.float32)[::2], np.ones(4, np.float32), ValueError, "C-contiguous"),
+    (np.ones(4, np.float32), np.ones(8, np.float32)[::2], ValueError, "C-contiguous"),
+    (_read_only(4), np.ones(4, np.float32), ValueError, "read-only"),
+    (np.ones(4, np.uint8), np.ones(4, np.uint8), TypeError, "unsupported dtype uint8"),
+    ([1.0, 2.0], [1.0, 2.0], TypeError, "expected numpy or CUDA arrays, got list"),
+], ids=["count", "dtype", "strided acc", "strided src", "read-only", "uint8", "list"])
+def test_reduce_into_refuses_mismatched_buffers(acc, src, error, words):
+    """The kernel's entry point reads only array headers, yet never runs its loop on arrays that do not fit."""
+    before = np.array(acc, copy=True)
+    with pytest.raises(error, match=words):
+        kernels.reduce_into(acc, src, "sum")
+    np.testing.assert_array_equal(np.asarray(acc), before)
+
+
+def test_reduce_into_refuses_an_out_that_overlaps_an_operand():
+    buf = np.arange(8, dtype=np.float32)
+    before = buf.copy()
+    for acc, src, out in [(buf[:4], np.ones(4, np.float32), buf[2:6]), (np.ones(4, np.float32), buf[:4], buf[3:7])]:
+        with pytest.raises(ValueError, match="out overlaps an operand"):
+            kernels.reduce_into(acc, src, "sum", 1.0, out)
+    np.testing.assert_array_equal(buf, before)

@@ -231,7 +231,9 @@ class TorusComm:
         if compiled is None:
             if len(self._plans) >= 256:  # bounded: a sweep over many sizes must not grow without limit
                 self._plans.clear()
-            compiled = self._plans[key] = self._executor.compile(self._build(what, algo, counts), itemsize)
+            total = counts if isinstance(counts, int) else sum(counts)
+            compiled = self._plans[key] = self._executor.compile(self._build(what, algo, counts), itemsize,
+                                                                 total)
         return compiled
 
     def _build(self, what: str, algo: str, counts):
@@ -267,14 +269,16 @@ class TorusComm:
         algo = self._algorithm(what, algorithm, count * dt.itemsize)
         if self.check:
             self._agree(what, algo, op, dt, count, None)
-        if sendbuf is not None:
-            np.copyto(recvbuf, sendbuf.reshape(recvbuf.shape))
         buf = recvbuf.reshape(-1)
         scale = 1.0 / self.size if op == "avg" else 1.0
         if algo == "native":
+            if sendbuf is not None:
+                np.copyto(buf, sendbuf.reshape(-1))
             native.allreduce(self.comm, buf, op, scale)
             return recvbuf
-        self._executor.run(f"{what}({algo})", self._plan(what, algo, count, dt.itemsize), buf, op, scale)
+        # Out of place the schedule reads sendbuf directly (no copy into recvbuf first; see executor.py).
+        self._executor.run(f"{what}({algo})", self._plan(what, algo, count, dt.itemsize), buf, op, scale,
+                           None if sendbuf is None else sendbuf.reshape(-1))
         return recvbuf
 
     def _counts(self, what: str, recvcounts, block: int):
@@ -319,16 +323,16 @@ class TorusComm:
         src = (recvbuf if in_place else sendbuf).reshape(-1)
         lo, hi = displs[self.rank], displs[self.rank] + counts[self.rank]
         out = recvbuf.reshape(-1)[lo:hi] if in_place else recvbuf.reshape(-1)
-        # The schedules reduce in place; a reusable working copy keeps sendbuf (and, in place, every
-        # block but ours) untouched.
+        # The schedules write into a reusable working buffer and read the input from src (never written), so
+        # sendbuf (and, in place, every block but ours) stays untouched without copying it first.
         work = self._executor.buffer("work", src.nbytes).view(dt)
-        np.copyto(work, src)
         scale = 1.0 / self.size if op == "avg" else 1.0
         if algo == "native":
+            np.copyto(work, src)
             native.reduce_scatter(self.comm, work, out, counts, op, scale)
         else:
             self._executor.run(f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize), work,
-                               op, scale)
+                               op, scale, src, (lo, hi))
             np.copyto(out, work[lo:hi])
         return out if in_place else recvbuf
 

@@ -21,6 +21,14 @@ def test_pingpong_and_reduce_rate(world):
     assert gamma >= 0 and len(rpts) == 2
 
 
+def test_exchange_and_concurrent_reduce_rate_agree_across_ranks(world):
+    pts = fit.exchange(world, sizes=(4, 4096), reps=3)
+    assert [n for n, _ in pts] == [4, 4096] and all(t > 0 for _, t in pts)
+    assert world.allgather(pts) == [pts] * world.Get_size()  # the slowest rank's time, on every rank
+    gamma, rpts = fit.reduce_rate(sizes=(1 << 12, 1 << 16), reps=2, comm=world)
+    assert gamma >= 0 and world.allgather(rpts) == [rpts] * world.Get_size()
+
+
 def test_validate_predictions_are_the_simulators(world):
     tc = TorusComm(check=False)
     cost = Cost(2e-6, 1e-10, 3e-10, segment_bytes=tc.segment_bytes)

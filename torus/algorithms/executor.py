@@ -3,15 +3,23 @@
 ``compile`` turns a plan into byte ranges once (plans repeat every training step); ``run`` then does, per
 step: post every receive (segmented; a reducing receive lands in scratch), post every send (segmented the
 same way, so the peers' messages match one to one), then wait for the receives in order and reduce each
-segment as soon as it arrives, so the transfer of later segments overlaps this segment's reduction. Sends
-complete before the next step, whose sends may read what this step reduced.
+segment as soon as it arrives, so the transfer of later segments overlaps this segment's reduction. A send is
+waited for only before the first later step that writes its region (or at the end): waiting at the end of its
+own step would make each rank wait for its right neighbour to receive before it may receive from its left,
+a chain of handshakes that costs a scheduler round trip per step when ranks outnumber cores.
+
+Out of place (``run(..., src=sendbuf)``) nothing is copied up front: a send reads ``src`` while its region is
+still untouched in ``buf``, and the first reduction into a region reads ``src`` and writes ``buf`` in one pass
+(``reduce_into(..., out=)``). ``compile`` works out, once per plan, which messages those are, which regions a
+step must copy first (a message that straddles touched and untouched elements) and which regions no step ever
+writes (copied at the end). This saves a full pass over the message: at 1 MiB about a sixth of an all-reduce.
 
 Waiting polls with ``MPI.Request.Test`` when a timeout is set, so a dead or stuck peer turns into
 ``torus.errors.TimeoutError`` naming the operation, step and peer instead of a silent hang.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from mpi4py import MPI
@@ -31,6 +39,8 @@ class _Message:
     hi: int
     tmp_lo: int = -1  # element range in scratch for a reducing receive, -1 otherwise
     final: bool = False
+    fresh: bool = False  # out of place: the region is untouched so far, so read it from src
+    until: int = 0  # a send: the step that next writes its region, so the send must complete before it
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class _Step:
     sends: tuple
     scratch: int  # elements of scratch the reducing receives need
     scale: tuple | None  # (lo, hi) to scale when no reduce completed the owner's region
+    prefill: tuple = ()  # out of place: (lo, hi) regions to copy from src before this step
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,73 @@ class CompiledPlan:
     steps: tuple
     itemsize: int
     scratch: int
+    untouched: tuple = ()  # out of place: (lo, hi) regions no step writes, copied from src at the end
+
+
+class _Touched:
+    """The element ranges of ``buf`` written so far, as sorted disjoint ``[lo, hi)`` intervals."""
+
+    def __init__(self):
+        self.spans: list = []
+
+    def gaps(self, lo: int, hi: int) -> list:
+        """The parts of ``[lo, hi)`` not written yet."""
+        out = []
+        for a, b in self.spans:
+            if b <= lo or a >= hi:
+                continue
+            if a > lo:
+                out.append((lo, a))
+            lo = max(lo, b)
+        if lo < hi:
+            out.append((lo, hi))
+        return out
+
+    def add(self, lo: int, hi: int) -> None:
+        if lo >= hi:
+            return
+        keep = [(a, b) for a, b in self.spans if b < lo or a > hi]
+        merged = [(a, b) for a, b in self.spans if not (b < lo or a > hi)]
+        lo = min([lo] + [a for a, _ in merged])
+        hi = max([hi] + [b for _, b in merged])
+        self.spans = sorted(keep + [(lo, hi)])
+
+
+def _fresh(touched: _Touched, lo: int, hi: int, prefill: list) -> bool:
+    """True when ``[lo, hi)`` is wholly untouched (read it from src). A region partly touched gets its
+    untouched parts copied before the step (``prefill``) and counts as touched from then on."""
+    gaps = touched.gaps(lo, hi)
+    if gaps == [(lo, hi)]:
+        return True
+    for a, b in gaps:
+        prefill.append((a, b))
+        touched.add(a, b)
+    return False
+
+
+def _deadlines(steps: list) -> list:
+    """Set each send's ``until``: the first later step that writes (receives into, reduces into or scales)
+    any element the send reads from buf, or ``len(steps)``. Reading the same region again is no conflict."""
+    writes = []
+    for st in steps:
+        spans = [(m.lo, m.hi) for m in st.recvs if m.hi > m.lo]
+        if st.scale is not None and st.scale[1] > st.scale[0]:
+            spans.append(st.scale)
+        box = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
+        writes.append((box, spans))
+    out = []
+    for si, st in enumerate(steps):
+        sends = []
+        for m in st.sends:
+            until = len(steps)
+            for t in range(si + 1, len(steps)):
+                (blo, bhi), spans = writes[t]
+                if blo < m.hi and m.lo < bhi and any(a < m.hi and m.lo < b for a, b in spans):
+                    until = t
+                    break
+            sends.append(replace(m, until=until))
+        out.append(replace(st, sends=tuple(sends)))
+    return out
 
 
 class Executor:
@@ -66,24 +144,40 @@ class Executor:
             buf = self._buffers[name] = np.empty(nbytes, np.uint8)
         return buf[:nbytes]
 
-    def compile(self, plan, itemsize: int) -> CompiledPlan:
-        """Cut every message of ``plan`` into segments of at most ``segment_bytes``."""
+    def compile(self, plan, itemsize: int, count: int | None = None) -> CompiledPlan:
+        """Cut every message of ``plan`` into segments of at most ``segment_bytes``; ``count`` (elements of
+        the working buffer, default: the plan's extent) bounds the regions an out-of-place run copies at the
+        end because no step writes them."""
         seg = max(1, self.segment_bytes // itemsize)
-        steps = []
+        steps, touched, extent = [], _Touched(), 0
         for step in plan:
+            prefill: list = []
             if step.scale is not None:
-                steps.append(_Step((), (), 0, (step.scale.offset, step.scale.offset + step.scale.count)))
+                lo, hi = step.scale.offset, step.scale.offset + step.scale.count
+                prefill = touched.gaps(lo, hi)  # scaling happens in buf: bring the input there first
+                touched.add(lo, hi)
+                extent = max(extent, hi)
+                steps.append(_Step((), (), 0, (lo, hi), tuple(prefill)))
                 continue
+            sends = []
+            for s in step.sends:
+                for o, c in segments(s.offset, s.count, seg):
+                    fresh = c > 0 and _fresh(touched, o, o + c, prefill)
+                    sends.append(_Message(self.comms[s.comm], s.comm, s.peer, o, o + c, fresh=fresh))
+                    extent = max(extent, o + c)
             recvs, t = [], 0
             for r in step.recvs:
                 for o, c in segments(r.offset, r.count, seg):
+                    fresh = r.reduce and c > 0 and _fresh(touched, o, o + c, prefill)
                     recvs.append(_Message(self.comms[r.comm], r.comm, r.peer, o, o + c,
-                                          t if r.reduce else -1, r.final))
+                                          t if r.reduce else -1, r.final, fresh))
+                    touched.add(o, o + c)  # now, so a second reduce into it in this step reads buf
                     t += c if r.reduce else 0
-            sends = tuple(_Message(self.comms[s.comm], s.comm, s.peer, o, o + c)
-                          for s in step.sends for o, c in segments(s.offset, s.count, seg))
-            steps.append(_Step(tuple(recvs), sends, t, None))
-        return CompiledPlan(tuple(steps), itemsize, max((s.scratch for s in steps), default=0))
+                    extent = max(extent, o + c)
+            steps.append(_Step(tuple(recvs), tuple(sends), t, None, tuple(prefill)))
+        untouched = tuple(touched.gaps(0, extent if count is None else count))
+        steps = _deadlines(steps)
+        return CompiledPlan(tuple(steps), itemsize, max((s.scratch for s in steps), default=0), untouched)
 
     def _wait(self, req, what: str, step: int, nsteps: int, msg: _Message) -> None:
         faults.wait(req, self.timeout, lambda: (
@@ -91,14 +185,28 @@ class Executor:
             f"waiting on rank {msg.peer} of the {msg.name} communicator (a peer died, stalled or called a "
             "different collective); the communicator is unusable now, abort the job"))
 
-    def run(self, what: str, plan: CompiledPlan, buf: np.ndarray, op: str, scale: float) -> None:
-        """Execute ``plan`` on ``buf`` (1-D contiguous, modified in place)."""
+    def run(self, what: str, plan: CompiledPlan, buf: np.ndarray, op: str, scale: float, src=None,
+            keep: tuple | None = None) -> None:
+        """Execute ``plan`` on ``buf`` (1-D contiguous, modified in place).
+
+        ``src`` (optional, 1-D, same length and dtype, not overlapping ``buf``): out of place, the input is
+        read from ``src`` (never written) instead of ``buf``'s old contents. ``keep`` = ``(lo, hi)``: only that
+        range of ``buf`` is wanted (reduce-scatter's own block); untouched regions outside it are not copied."""
         isz = plan.itemsize
         raw = buf.view(np.uint8)
+        rsrc = src.view(np.uint8) if src is not None else None
         tmp = self.buffer("scratch", plan.scratch * isz).view(buf.dtype) if plan.scratch else None
         rtmp = tmp.view(np.uint8) if tmp is not None else None
         nsteps = len(plan.steps)
+        inflight: list = []  # sends not yet waited for: (until, step, request, message)
         for si, step in enumerate(plan.steps):
+            if inflight and min(f[0] for f in inflight) <= si:
+                for f in [f for f in inflight if f[0] <= si]:
+                    self._wait(f[2], what, f[1], nsteps, f[3])
+                inflight = [f for f in inflight if f[0] > si]
+            if src is not None:
+                for lo, hi in step.prefill:
+                    np.copyto(buf[lo:hi], src[lo:hi])
             if step.scale is not None:
                 lo, hi = step.scale
                 if scale != 1.0 and hi > lo:
@@ -113,11 +221,23 @@ class Executor:
                 else:
                     target = raw[m.lo * isz:m.hi * isz]
                 pending.append(m.comm.Irecv([target, MPI.BYTE], m.peer, tag))
-            sends = [m.comm.Isend([raw[m.lo * isz:m.hi * isz], MPI.BYTE], m.peer, tag) for m in step.sends]
+            for m in step.sends:
+                data = (rsrc if m.fresh and src is not None else raw)[m.lo * isz:m.hi * isz]
+                inflight.append((m.until, si, m.comm.Isend([data, MPI.BYTE], m.peer, tag), m))
             for req, m in zip(pending, step.recvs):
                 self._wait(req, what, si, nsteps, m)
                 if m.tmp_lo >= 0:
-                    kernels.reduce_into(buf[m.lo:m.hi], tmp[m.tmp_lo:m.tmp_lo + m.hi - m.lo], op,
-                                        scale if m.final else 1.0)
-            for req, m in zip(sends, step.sends):
-                self._wait(req, what, si, nsteps, m)
+                    received = tmp[m.tmp_lo:m.tmp_lo + m.hi - m.lo]
+                    s = scale if m.final else 1.0
+                    if m.fresh and src is not None:
+                        kernels.reduce_into(src[m.lo:m.hi], received, op, s, buf[m.lo:m.hi])
+                    else:
+                        kernels.reduce_into(buf[m.lo:m.hi], received, op, s)
+        for _, sj, req, m in inflight:
+            self._wait(req, what, sj, nsteps, m)
+        if src is not None:
+            for lo, hi in plan.untouched:
+                if keep is not None:
+                    lo, hi = max(lo, keep[0]), min(hi, keep[1])
+                if hi > lo:
+                    np.copyto(buf[lo:hi], src[lo:hi])

@@ -38,22 +38,22 @@ def _is_device(buf) -> bool:
                                                 or getattr(buf, "__cuda_ndarray__", False))
 
 
-def reduce_into(acc, src, op: str, scale: float = 1.0) -> None:
+def reduce_into(acc, src, op: str, scale: float = 1.0, out=None) -> None:
     """``acc[i] = op(acc[i], src[i])``, then ``*= scale`` when ``op`` is sum/avg and ``scale != 1``.
 
     acc, src: 1-D contiguous, same length (elements) and dtype. acc is modified in place; src is read only.
-    float16/bfloat16 use float32 arithmetic and one rounding per element.
+    With ``out`` (same length and dtype, overlapping neither operand, or ``acc`` itself) the result goes to
+    ``out`` and acc is only read: one pass where a copy then an in-place reduce would take two.
+    float16/bfloat16 use float32 arithmetic and one rounding per element. Host arrays with a wrong length,
+    dtype, layout or overlap raise ValueError/TypeError before any element is written.
     """
-    if _is_device(acc):
-        from torus.kernels import cuda
-        cuda.reduce_into(acc, src, op, scale)
+    if isinstance(acc, np.ndarray):  # the host fast path first: schedules call this once per segment
+        _reduce.reduce(acc, src, OP_CODE[op], scale, _num_threads, out)
         return
-    code = OP_CODE[op]
-    fmt = HALF_FORMAT.get(acc.dtype)
-    if fmt is None:
-        _reduce.reduce_native(acc, src, code, scale, _num_threads)
-    else:
-        _reduce.reduce_half(acc.view(np.uint16), src.view(np.uint16), code, scale, fmt, _num_threads)
+    if not _is_device(acc):
+        raise TypeError(f"reduce_into: expected numpy or CUDA arrays, got {type(acc).__name__}")
+    from torus.kernels import cuda
+    cuda.reduce_into(acc, src, op, scale, out)
 
 
 def scale(buf, factor: float) -> None:

@@ -113,7 +113,7 @@ def _reduce_kernel(fmt):
     load, store = _CODECS[fmt]
 
     @cuda.jit
-    def reduce_kernel(acc, src, op, scale):
+    def reduce_kernel(out, acc, src, op, scale):
         for i in range(cuda.grid(1), acc.size, cuda.gridsize(1)):
             a = load(acc[i])
             b = load(src[i])
@@ -127,7 +127,7 @@ def _reduce_kernel(fmt):
                 r = b if b < a else a  # a NaN in acc stays, a NaN in src is ignored, as on the host
             else:
                 r = b if b > a else a
-            acc[i] = store(r)
+            out[i] = store(r)
 
     return reduce_kernel
 
@@ -194,8 +194,9 @@ def _launch(kernel, n: int, *args) -> None:
     stream.synchronize()  # this stream only: work of other libraries on their own streams may go on
 
 
-def reduce_into(acc, src, op: str, scale: float = 1.0) -> None:
-    """``acc[i] = op(acc[i], src[i])``, then ``acc[i] *= scale`` when ``op`` is sum/avg and ``scale != 1``.
+def reduce_into(acc, src, op: str, scale: float = 1.0, out=None) -> None:
+    """``acc[i] = op(acc[i], src[i])``, then ``acc[i] *= scale`` when ``op`` is sum/avg and ``scale != 1``;
+    with ``out`` (same length and dtype, acc itself or overlapping neither operand) the result goes there.
 
     acc, src: 1-D contiguous device arrays, same length (elements) and dtype (float16, bfloat16, float32,
     float64, int32, int64). acc is modified in place; src is read only. op: sum/avg/min/max/prod ("avg" is a
@@ -205,8 +206,9 @@ def reduce_into(acc, src, op: str, scale: float = 1.0) -> None:
     """
     acc_d, fmt = _device_array(acc)
     src_d, _ = _device_array(src)
+    out_d = acc_d if out is None else _device_array(out)[0]
     s = _arith_scalar(scale, np.dtype(acc_d.dtype), fmt)
-    _launch(_reduce_kernel(fmt), acc_d.size, acc_d, src_d, OP_CODE[op], s)
+    _launch(_reduce_kernel(fmt), acc_d.size, out_d, acc_d, src_d, OP_CODE[op], s)
 
 
 def scale(buf, factor: float) -> None:
