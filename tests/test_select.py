@@ -4,27 +4,32 @@ import pytest
 from torus.select import ALGORITHMS, TABLE, choose
 
 
-def _expected(nbytes, size):
-    # An independent reading of the table: the first row whose limits both admit the call.
-    for max_size, max_nbytes, algo in TABLE:
-        if (max_size is None or size <= max_size) and (max_nbytes is None or nbytes <= max_nbytes):
+def _expected(nbytes, size, in_place):
+    # An independent reading of the table: the first row whose limits all admit the call.
+    for max_size, max_nbytes, where, algo in TABLE:
+        if ((max_size is None or size <= max_size) and (max_nbytes is None or nbytes <= max_nbytes)
+                and (where is None or where == ("in_place" if in_place else "out_of_place"))):
             return algo
 
 
 @pytest.mark.parametrize("size,dims", [(2, (1, 2)), (3, (1, 3)), (4, (2, 2)), (6, (2, 3)), (6, (6, 1))])
-@pytest.mark.parametrize("nbytes", [0, 4, 256 * 1024, 256 * 1024 + 4, 8 << 20, (8 << 20) + 4, 256 << 20])
-def test_table(monkeypatch, size, dims, nbytes):
+@pytest.mark.parametrize("nbytes", [0, 4, 128 * 1024, 128 * 1024 + 4, 256 * 1024, 256 * 1024 + 4, 512 * 1024,
+                                    512 * 1024 + 4, 256 << 20])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_table(monkeypatch, size, dims, nbytes, in_place):
     monkeypatch.delenv("TORUS_ALGO", raising=False)
-    want = _expected(nbytes, size)
+    want = _expected(nbytes, size, in_place)
     if want == "torus2d" and 1 in dims:
         want = "ring"
-    assert choose("allreduce", nbytes, size, dims) == want
+    assert choose("allreduce", nbytes, size, dims, in_place) == want
 
 
 def test_small_is_native_large_is_a_schedule(monkeypatch):
     monkeypatch.delenv("TORUS_ALGO", raising=False)
     assert choose("allreduce", 4, 4, (2, 2)) == "native"
     assert choose("allreduce", 256 << 20, 4, (2, 2)) == "torus2d"
+    assert choose("allreduce", 256 << 10, 2, (1, 2)) == "ring"  # out of place it skips MPI's copy
+    assert choose("allreduce", 256 << 10, 2, (1, 2), in_place=True) == "native"
     assert choose("allreduce", 256 << 20, 2, (1, 2)) == "ring"
     assert choose("allgather", 256 << 20, 1, (1, 1)) == "native"
 

@@ -163,16 +163,16 @@ class TorusComm:
                                          "(use MPI.IN_PLACE)")
         return sendbuf, recvbuf, dt
 
-    def _algorithm(self, what: str, algorithm: str, nbytes: int) -> str:
+    def _algorithm(self, what: str, algorithm: str, nbytes: int, in_place: bool) -> str:
         if algorithm == "auto":
-            # Memoized per (collective, nbytes): the table costs ~1 us, a tenth of a small native call.
-            # TORUS_ALGO is therefore read when a size is first seen, not on every call.
-            key = (what, nbytes)
+            # Memoized per (collective, nbytes, placement): the table costs ~1 us, a tenth of a small native
+            # call. TORUS_ALGO is therefore read when a size is first seen, not on every call.
+            key = (what, nbytes, in_place)
             algo = self._auto.get(key)
             if algo is None:
                 if len(self._auto) >= 4096:
                     self._auto.clear()
-                algo = self._auto[key] = choose(what, nbytes, self.size, self.dims)
+                algo = self._auto[key] = choose(what, nbytes, self.size, self.dims, in_place)
             return algo
         if algorithm not in ALGORITHMS:
             self._fail(what, ValueError, f"unknown algorithm {algorithm!r}; expected auto or one of "
@@ -266,7 +266,7 @@ class TorusComm:
         what = "allreduce"
         sendbuf, recvbuf, dt = self._prepare(what, sendbuf, recvbuf, op, lambda n: n)
         count = recvbuf.size
-        algo = self._algorithm(what, algorithm, count * dt.itemsize)
+        algo = self._algorithm(what, algorithm, count * dt.itemsize, sendbuf is None)
         if self.check:
             self._agree(what, algo, op, dt, count, None)
         buf = recvbuf.reshape(-1)
@@ -315,7 +315,7 @@ class TorusComm:
         if in_place and recvbuf.size != sum(counts):
             self._fail(what, ValueError, f"recvbuf (in place) has {recvbuf.size} elements, recvcounts sum "
                                          f"to {sum(counts)}")
-        algo = self._algorithm(what, algorithm, sum(counts) * dt.itemsize)
+        algo = self._algorithm(what, algorithm, sum(counts) * dt.itemsize, sendbuf is None)
         if algo == "hierarchical" and not self._node_grid:
             algo = "ring"
         if self.check:
@@ -362,7 +362,7 @@ class TorusComm:
                                              lambda n: sum(counts))
         if recvbuf.size != sum(counts):
             self._fail(what, ValueError, f"recvbuf has {recvbuf.size} elements, expected {sum(counts)}")
-        algo = self._algorithm(what, algorithm, sum(counts) * dt.itemsize)
+        algo = self._algorithm(what, algorithm, sum(counts) * dt.itemsize, sendbuf is None)
         if algo == "hierarchical" and not self._node_grid:
             algo = "ring"
         if self.check:

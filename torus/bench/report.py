@@ -57,7 +57,7 @@ def _num(x: float, width: int) -> str:
 
 
 # Column widths; every cell is preceded by one space ('#' takes the first one in header lines).
-_KEYS = ((11, "size", "(B)"), (12, "count", "(elements)"), (9, "type", ""), (6, "redop", ""), (13, "algo", ""))
+_KEYS = ((11, "size", "(B)"), (12, "count", "(elements)"), (9, "type", ""), (6, "redop", ""), (16, "algo", ""))
 _CELLS = ((8, "time", "(us)"), (7, "iqr", "(us)"), (7, "algbw", "(GB/s)"), (7, "busbw", "(GB/s)"),
           (6, "#wrong", ""))
 

@@ -179,16 +179,28 @@ class _Case:
                    for r in range(self.ranks))
 
 
-def time_iterations(comm: MPI.Comm, call, iters: int, warmup: int) -> np.ndarray:
-    """Seconds per iteration, each the maximum over ranks (ranks start together after a barrier)."""
-    for _ in range(warmup):
-        call()
-    local = np.empty(iters)
+def time_iterations(comm: MPI.Comm, calls: list, iters: int, warmup: int) -> np.ndarray:
+    """Seconds per iteration of each of ``calls``, shape ``(len(calls), iters)``, each the maximum over ranks
+    (ranks start each call together after a barrier).
+
+    The calls take turns within every iteration, in an order shuffled anew each iteration (the same on every
+    rank: a fixed seed), rather than one call's iterations back to back: a disturbance on a shared machine
+    (another tenant, a daemon) then lands on every algorithm of the comparison alike instead of on whichever
+    was running, and no call always follows the same other call (in a fixed order, ``auto``, always right
+    after MPI's own all-reduce, measured up to 15% slower than the very schedule it had picked). Measured here: back
+    to back, two runs of one identical schedule at 1 MiB differed by 20% of native's time."""
+    for call in calls:
+        for _ in range(warmup):
+            call()
+    local = np.empty((len(calls), iters))
+    order = np.random.default_rng(12345)
     for i in range(iters):
-        comm.Barrier()
-        t0 = MPI.Wtime()
-        call()
-        local[i] = MPI.Wtime() - t0
+        for k in order.permutation(len(calls)):
+            call = calls[k]
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            call()
+            local[k, i] = MPI.Wtime() - t0
     slowest = np.empty_like(local)
     comm.Allreduce(local, slowest, op=MPI.MAX)
     return slowest
@@ -209,27 +221,37 @@ def sweep(tc, collective: str, sizes, algorithms, *, dtype, op: str = "sum", ite
     """Benchmark ``collective`` on TorusComm ``tc`` for each size and algorithm; collective over ``tc``.
 
     sizes: bytes, already rounded with ``moved_sizes``. Yields one dict per (size, algorithm), the same on
-    every rank: size, count, dtype, op, algorithm, resolved (what ``auto`` picked), and per placement
+    every rank: size, count, dtype, op, algorithm, resolved (what ``auto`` picked; ``out/in`` when the two
+    placements differ), and per placement
     (``out_of_place``, ``in_place``) the median/min/max/quartile times (us) of ``iters`` iterations, each the
     slowest rank's, after ``warmup`` untimed ones, with algbw/busbw (GB/s) from the median and ``wrong``:
     elements that differ from the closed-form result, summed over ranks, from one untimed call on freshly
-    filled inputs (None when ``check`` is off). Buffers are allocated and filled once per size.
+    filled inputs (None when ``check`` is off). Buffers are allocated and filled once per size. The timed
+    iterations of all (algorithm, placement) pairs of one size are interleaved (see ``time_iterations``).
     """
     dtype = np.dtype(dtype)
     factor = bus_factor(collective, tc.size)
     for size in sizes:
         count = size // dtype.itemsize
         case = _Case(tc, collective, count, dtype, op)
+        pairs = [(algorithm, placement) for algorithm in algorithms for placement in PLACEMENTS]
+        wrong = {}
+        for algorithm, placement in pairs:
+            wrong[algorithm, placement] = None
+            if check:
+                case.reset()
+                wrong[algorithm, placement] = tc.comm.allreduce(
+                    case.wrong(case.call(placement, algorithm)), op=MPI.SUM)
+        seconds = time_iterations(tc.comm, [lambda a=a, p=p: case.call(p, a) for a, p in pairs], iters, warmup)
         for algorithm in algorithms:
-            resolved = choose(collective, size, tc.size, tc.dims) if algorithm == "auto" else algorithm
+            resolved = algorithm
+            if algorithm == "auto":  # the pick may differ by placement: "out-of-place/in-place" then
+                picks = [choose(collective, size, tc.size, tc.dims, p == "in_place") for p in PLACEMENTS]
+                resolved = picks[0] if picks[0] == picks[1] else "/".join(picks)
             row = {"collective": collective, "size": size, "count": count, "dtype": str(dtype),
                    "op": op if collective != "allgather" else "none", "algorithm": algorithm,
                    "resolved": resolved}
             for placement in PLACEMENTS:
-                wrong = None
-                if check:
-                    case.reset()
-                    wrong = tc.comm.allreduce(case.wrong(case.call(placement, algorithm)), op=MPI.SUM)
-                seconds = time_iterations(tc.comm, lambda: case.call(placement, algorithm), iters, warmup)
-                row[placement] = _stats(seconds, size, factor, wrong)
+                row[placement] = _stats(seconds[pairs.index((algorithm, placement))], size, factor,
+                                        wrong[algorithm, placement])
             yield row

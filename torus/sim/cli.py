@@ -4,8 +4,8 @@
               --ranks-per-node 4 --inter-alpha 5e-6 --inter-beta 4e-10
     torus-sim --sweep -b 1K -e 1G -f 4 --ranks 64,1088,2176 --json sim.json --plot sim.png
     torus-sim --paper
-    mpiexec -n 2 torus-sim --fit --json fit.json            # measure α, β, γ on this machine
-    mpiexec -n 4 torus-sim --validate --params fit.json     # predicted vs measured TorusComm times
+    mpiexec -n 4 torus-sim --fit --json fit4.json           # measure α, β, γ on this machine, at 4 ranks
+    mpiexec -n 4 torus-sim --validate --params fit4.json    # predicted vs measured TorusComm times
 
 Sizes are bytes of the whole buffer (binary K/M/G, as torus-bench); times in seconds unless labelled.
 """
@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--sweep", action="store_true", help="sizes -b..-e by -f (and every --ranks)")
     mode.add_argument("--paper", action="store_true", help="Mikami et al. 2018 section 3.2 comparison")
-    mode.add_argument("--fit", action="store_true", help="measure alpha, beta, gamma (under mpiexec -n 2)")
+    mode.add_argument("--fit", action="store_true", help="measure alpha, beta, gamma (under mpiexec -n K, "
+                      "the rank count you will --validate or predict)")
     mode.add_argument("--validate", action="store_true", help="measured vs predicted (under mpiexec)")
     ap.add_argument("--ranks", type=_list(int), default=[16], help="rank counts (comma-separated)")
     ap.add_argument("--dims", type=_dims, default=None, help="grid XxY (default: as square as possible)")
