@@ -9,9 +9,12 @@ argument is checked on the calling rank before any message is sent; a bad one ra
 off) each call first all-gathers a 64-byte signature (collective, op, dtype, count, algorithm, segment size,
 grid), so ranks that disagree all raise ``torus.errors.MismatchError`` instead of hanging or summing garbage:
 one extra small ``MPI_Allgather`` per call (a few microseconds at 2 ranks, tens at 4 oversubscribed ranks).
+A rank whose own arguments are bad raises its ValueError/TypeError at once and (check on) posts its share of
+that all-gather marked "argument error", so the others raise MismatchError naming it instead of waiting.
 """
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 
@@ -27,7 +30,29 @@ from torus.partition import displacements
 from torus.select import ALGORITHMS, choose
 
 _COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
-_SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts")
+_SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts",
+              "argument error")
+_ERROR = len(_SIGNATURE) - 1  # the signature field that says "this rank rejected its own arguments"
+
+
+def _collective(method):
+    """Make a rank whose arguments fail their local check tell the others (with ``check`` on).
+
+    The error is raised on this rank at once, as before; in addition this rank posts its share of the
+    signature all-gather marked "argument error", so every other rank raises MismatchError naming it
+    instead of waiting for the stall timeout. The all-gather is completed at this TorusComm's next call."""
+    what = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self._agreeing = False
+        try:
+            return method(self, *args, **kwargs)
+        except (ValueError, TypeError):
+            if self.check and not self._agreeing:
+                self._announce_error(what)
+            raise
+    return wrapper
 
 
 def _ranks(ranks: list) -> str:
@@ -118,6 +143,8 @@ class TorusComm:
         self._executor = Executor(comms, rank, seg, timeout or None)
         self._plans: dict = {}
         self._auto: dict = {}
+        self._agreeing = False
+        self._announcements: list = []  # error reports posted and not yet completed (see _collective)
 
     # ------------------------------------------------------------------ argument normalisation
     def _fail(self, what: str, exc, msg: str):
@@ -191,20 +218,32 @@ class TorusComm:
         more small-collective latency (ms there, set by the OS scheduler). Negligible beside a gradient
         all-reduce; ``check=False`` (``TORUS_CHECK=0``) skips it for latency-bound loops.
 
+        A rank whose own argument check failed (ValueError/TypeError before this point) sends a signature
+        marked "argument error" instead (see ``_collective``): every other rank raises MismatchError naming
+        it, at once, while it raises its own error.
+
         Not caught: anything with ``check=False`` (ranks that disagree then hang until the stall timeout, fail
         in MPI with a truncation error, or silently combine mismatched data, e.g. sum on one rank and max on
-        another); a rank that never calls, died, or raised in its own argument validation (the others get
-        ``TimeoutError`` after ``timeout`` s); differing buffer contents; ranks calling collectives on
-        different TorusComm objects in different orders (also a timeout)."""
+        another); a rank that never calls or died (the others get ``TimeoutError`` after ``timeout`` s);
+        differing buffer contents; ranks calling collectives on different TorusComm objects in different
+        orders (also a timeout)."""
+        self._agreeing = True
+        self._finish_announcements(what)
         crc = zlib.crc32(np.asarray(recvcounts, np.int64).tobytes()) if recvcounts is not None else 0
         mine = np.array([_COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count,
-                         ALGORITHMS.index(algo), self.segment_bytes, self.dims[0], crc], np.int64)
+                         ALGORITHMS.index(algo), self.segment_bytes, self.dims[0], crc, 0], np.int64)
         every = np.empty((self.size, mine.size), np.int64)
         timeout = self._executor.timeout
         faults.wait(self.comm.Iallgather(mine, every), timeout, lambda: (
             f"{what}({algo}) on rank {self.rank}: no progress for {timeout:g} s in the argument check (the "
             f"all-gather of every rank's call signature): some rank did not call {what}, died or is stuck; "
             "the communicator is unusable now, abort the job"))
+        failed = np.nonzero(every[:, _ERROR])[0]
+        if failed.size:
+            who = _ranks([int(r) for r in failed])
+            whose = "its" if failed.size == 1 else "their"
+            raise MismatchError(f"{what}({algo}) on rank {self.rank}: {who} rejected {whose} own arguments to "
+                                "this call (see the error there); no data was moved")
         bad = np.nonzero((every != every[0]).any(axis=0))[0]
         if bad.size == 0:
             return
@@ -220,6 +259,23 @@ class TorusComm:
                               for v, rs in groups.items())
             parts.append(f"{_SIGNATURE[f]} ({shown})")
         raise MismatchError(f"{what}({algo}) on rank {self.rank}: ranks disagree on " + ", ".join(parts))
+
+    def _announce_error(self, what: str) -> None:
+        """Post this rank's share of the signature all-gather marked "argument error" (see ``_collective``);
+        not waited for here, so the local error is raised at once even if the others never call."""
+        mine = np.full(len(_SIGNATURE), -1, np.int64)
+        mine[0], mine[_ERROR] = _COLLECTIVES.index(what), 1
+        every = np.empty((self.size, mine.size), np.int64)
+        self._announcements.append((self.comm.Iallgather(mine, every), mine, every))
+
+    def _finish_announcements(self, what: str) -> None:
+        """Complete earlier error announcements before the next all-gather on the same communicator."""
+        timeout = self._executor.timeout
+        while self._announcements:
+            req = self._announcements.pop(0)[0]
+            faults.wait(req, timeout, lambda: (
+                f"{what} on rank {self.rank}: no progress for {timeout:g} s completing the report of this "
+                "rank's earlier argument error: some rank never made that call; abort the job"))
 
     # ------------------------------------------------------------------ plans
     def _plan(self, what: str, algo: str, counts, itemsize: int):
@@ -254,6 +310,7 @@ class TorusComm:
         return schedule(*((x, y, X, Y) if algo == "torus2d" else local), counts, displs)
 
     # ------------------------------------------------------------------ collectives
+    @_collective
     def allreduce(self, sendbuf, recvbuf=None, *, op: str = "sum", algorithm: str = "auto"):
         """All-reduce: every rank ends with ``op`` over all ranks' buffers, elementwise.
 
@@ -289,6 +346,7 @@ class TorusComm:
             self._fail(what, ValueError, f"recvcounts needs {self.size} non-negative counts, got {recvcounts!r}")
         return counts
 
+    @_collective
     def reduce_scatter(self, sendbuf, recvbuf=None, *, recvcounts=None, op: str = "sum",
                        algorithm: str = "auto"):
         """Reduce-scatter: block ``rank`` of the elementwise reduction lands on rank ``rank``.
@@ -336,6 +394,7 @@ class TorusComm:
             np.copyto(out, work[lo:hi])
         return out if in_place else recvbuf
 
+    @_collective
     def allgather(self, sendbuf, recvbuf=None, *, recvcounts=None, algorithm: str = "auto"):
         """All-gather: every rank ends with every rank's block, in rank order.
 
@@ -379,6 +438,7 @@ class TorusComm:
 
     def Free(self) -> None:
         """Release the duplicated communicators (collective)."""
+        self._finish_announcements("Free")
         for c in (self.row_comm, self.col_comm, self.local_comm, self.cross_comm, self.cart, self.comm):
             c.Free()
 

@@ -1,9 +1,12 @@
-"""Bad arguments raise on the calling rank, before any message, naming the operation and the rank.
+"""Bad arguments raise on the calling rank, before any data message, naming the operation and the rank.
 
 Every rank makes the same bad call here (a mismatch between ranks is a different suite). Each call goes to a
 copy of the TorusComm whose communicators and executor raise AssertionError when touched, so a check that
-only fires after some communication fails the test. After each test the real communicator still has to
-produce a correct all-reduce.
+only fires after some communication fails the test. The one message allowed: with the argument check on, the
+rank posts its share of the signature all-gather marked "argument error", so that the other ranks fail at
+once instead of waiting for it (tests/mpi/test_mismatch.py); the fake communicator records it and the test
+asserts it is that mark and nothing else. After each test the real communicator still has to produce a
+correct all-reduce.
 """
 from __future__ import annotations
 
@@ -24,6 +27,22 @@ class _NoMessages:
         raise AssertionError(f"communicated ({name}) before rejecting the arguments")
 
 
+class _Done:
+    def Test(self):  # noqa: N802 - mpi4py's name
+        return True
+
+
+class _ErrorReportOnly(_NoMessages):
+    """Allows one thing: the signature all-gather, recorded (its send buffer) instead of sent."""
+
+    def __init__(self):
+        self.reports = []
+
+    def Iallgather(self, mine, every):  # noqa: N802
+        self.reports.append(np.array(mine))
+        return _Done()
+
+
 @pytest.fixture(scope="module")
 def real():
     return torus.TorusComm(timeout=120)
@@ -33,9 +52,13 @@ def real():
 def tc(real, rng):
     """A copy of ``real`` that cannot communicate; afterwards ``real`` must still work."""
     offline = copy.copy(real)
-    for name in ("comm", "cart", "row_comm", "col_comm", "local_comm", "cross_comm", "_executor"):
+    for name in ("cart", "row_comm", "col_comm", "local_comm", "cross_comm", "_executor"):
         setattr(offline, name, _NoMessages())
+    offline.comm, offline._announcements = _ErrorReportOnly(), []
     yield offline
+    for report in offline.comm.reports:  # only ever the error mark: no signature of a call that goes ahead
+        assert report[-1] == 1 and (report[1:-1] == -1).all(), report
+    assert len(offline.comm.reports) == (1 if offline.check else 0), offline.comm.reports
     x = make(rng, np.int64, "sum", 10)
     ref, _ = expected(x, "sum")
     for algo in torus.ALGORITHMS:

@@ -50,15 +50,23 @@ def test_absent_rank_times_out_the_others(monkeypatch, collective, algorithm, ch
     WORLD.Barrier()
 
 
-def test_local_error_on_one_rank_times_out_the_others():
-    """A rank whose arguments fail its own validation raises at once; it never reaches the signature
-    exchange, so the others wait there until the timeout (an uncaught error on that rank ends the job
-    sooner, with torus.faults.abort_on_exception)."""
-    tc = torus.TorusComm(timeout=2)
+@pytest.mark.parametrize("check", [True, False])
+def test_local_error_on_one_rank_ends_the_call_on_the_others(check):
+    """A rank whose arguments fail its own validation raises at once. With the check on it also tells the
+    others (its share of the signature all-gather, marked), so they raise MismatchError naming it instead of
+    waiting (the timeout, 120 s, would raise TimeoutError instead); with the check off they reach the first
+    data step and time out there (2 s)."""
+    tc = torus.TorusComm(timeout=120 if check else 2, check=check)
     if RANK == LAST:
         with pytest.raises(TypeError, match=f"allreduce on rank {RANK}: op 'avg' is not defined"):
             call(tc, "allreduce", "ring", dtype=np.int64, op="avg")
+    elif check:
+        with pytest.raises(torus.MismatchError, match=f"allreduce\\(ring\\) on rank {RANK}: rank {LAST} "
+                                                      "rejected its own arguments"):
+            call(tc, "allreduce", "ring", dtype=np.int64)
     else:
-        with pytest.raises(torus.TimeoutError, match=f"allreduce\\(ring\\) on rank {RANK}: .* argument check"):
+        with pytest.raises(torus.TimeoutError, match=f"allreduce\\(ring\\) on rank {RANK}: .* at step [0-9]+/"):
             call(tc, "allreduce", "ring", dtype=np.int64)
     WORLD.Barrier()
+    if check:
+        tc.Free()  # completes the erroring rank's report; with the check off the others' messages still pend

@@ -96,3 +96,31 @@ def test_communicator_settings_disagree(field, kwargs):
     finally:
         tc.Free()
 
+
+
+BAD_ARGUMENTS = {
+    # id: (the odd rank's bad call, the error it raises itself)
+    "dtype": (lambda tc: tc.allreduce(np.ones(5, np.uint8), algorithm="ring"), TypeError),
+    "recvbuf size": (lambda tc: tc.allreduce(np.ones(5), np.empty(4), algorithm="ring"), ValueError),
+    "recvcounts": (lambda tc: tc.reduce_scatter(np.ones(SIZE), recvcounts=[1] * (SIZE + 1), algorithm="ring"),
+                   ValueError),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_a_rank_with_bad_arguments_ends_the_call_everywhere(tc, world, case):
+    """The odd rank raises its own error; the others raise MismatchError naming it at once (not after the
+    stall timeout, 60 s here); all of them go on with the next correct call."""
+    bad_call, own_error = BAD_ARGUMENTS[case]
+    if ODD:
+        with pytest.raises(own_error, match=f"on rank {RANK}: "):
+            bad_call(tc)
+    else:
+        with pytest.raises(torus.MismatchError) as info:
+            allreduce(tc)
+        assert str(info.value).startswith(
+            f"allreduce(ring) on rank {RANK}: rank {LAST} rejected its own arguments to this call"), info.value
+    x = np.random.default_rng([9, RANK]).standard_normal(10)
+    ref = np.empty_like(x)
+    world.Allreduce(x, ref)
+    np.testing.assert_allclose(tc.allreduce(x, algorithm="ring"), ref, rtol=1e-12)
