@@ -5,7 +5,9 @@ on the development machines: 2 cores, MPICH 5 over shared memory. MPI's own all-
 dominates (our schedules pay ~10 us of Python per call and, with more ranks than cores, one scheduler slice
 per step); our schedules win once bandwidth dominates, out of place sooner than in place because they read
 sendbuf directly while MPI first copies it into recvbuf: at 2 ranks from 256 KiB out of place (0.8x native's
-time) and from 1 MiB in place (0.9x); at 4 oversubscribed ranks from 1 MiB (0.8-1.0x). The 2D torus is the
+time) and from 1 MiB in place (0.9x); at 4 oversubscribed ranks from 1 MiB out of place (0.84-0.91x there)
+and, in place, from 4 MiB (at 1 MiB in place torus2d measured 1.02-1.03x over 200 interleaved iterations:
+within what the table's granularity is worth). The 2D torus is the
 choice above 2 ranks: at 4 ranks on 2 cores it and the ring trade places within the noise, and at scale it
 takes 2(X-1)+2(Y-1) steps against the ring's 2(N-1). Rerun the sweep on your cluster and set ``TORUS_ALGO``
 (or pass ``algorithm=``) to override the table.
