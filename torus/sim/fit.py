@@ -84,14 +84,21 @@ def exchange(comm, sizes=PINGPONG_SIZES, reps: int = 50, stat=np.median) -> list
     for n in sizes:
         sbuf, rbuf = np.ones(n, np.uint8), np.empty(n, np.uint8)
         comm.Sendrecv(sbuf, right, 7, rbuf, left, 7)
-        times = []
-        for _ in range(max(3, reps if n < 1 << 20 else reps // 4)):
-            comm.Barrier()
-            t = time.perf_counter()
-            comm.Sendrecv(sbuf, right, 7, rbuf, left, 7)
-            times.append(time.perf_counter() - t)
-        out.append((n, comm.allreduce(float(stat(times)), op=MPI.MAX)))
+        out.append((n, _slowest(comm, lambda: comm.Sendrecv(sbuf, right, 7, rbuf, left, 7),
+                                max(3, reps if n < 1 << 20 else reps // 4), stat)))
     return out
+
+
+def _slowest(comm, fn, reps: int, stat=np.median) -> float:
+    """Every rank calls ``fn`` ``reps`` times, each after a barrier; the largest over ranks of each rank's
+    ``stat`` of its times (seconds). Collective over ``comm``."""
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return comm.allreduce(float(stat(times)), op=MPI.MAX)
 
 
 def fit_alpha_beta(points) -> tuple[float, float]:
@@ -112,16 +119,8 @@ def reduce_rate(sizes=REDUCE_SIZES, reps: int = 10, comm=None) -> tuple[float, l
     for n in sizes:
         acc, src = np.ones(n // 4, np.float32), np.ones(n // 4, np.float32)
         kernels.reduce_into(acc, src, "sum")
-        if comm is None:
-            pts.append((n, _best_time(lambda: kernels.reduce_into(acc, src, "sum"), reps)))
-            continue
-        times = []
-        for _ in range(reps):
-            comm.Barrier()
-            t = time.perf_counter()
-            kernels.reduce_into(acc, src, "sum")
-            times.append(time.perf_counter() - t)
-        pts.append((n, comm.allreduce(float(np.median(times)), op=MPI.MAX)))
+        once = lambda: kernels.reduce_into(acc, src, "sum")  # noqa: E731
+        pts.append((n, _best_time(once, reps) if comm is None else _slowest(comm, once, reps)))
     slope = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0]
     return max(float(slope), 0.0), pts
 
