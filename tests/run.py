@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Runs every suite: tests/ in one process, then tests/mpi/ under ``mpiexec -n K`` for each K.
 
-Usage: python tests/run.py [--ranks 1,2,3,4,6] [--quick] [pytest args...]
+Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--quick] [pytest args...]
 
 Rank 0 prints pytest's report; other ranks print only failures (tests/conftest.py aborts the whole job on
 any failing rank, so nothing deadlocks). Each mpiexec run has a wall-clock limit. The last line is the
@@ -46,7 +46,7 @@ def _run(cmd, timeout: int, env) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", default="1,2,3,4,6", help="comma-separated rank counts for tests/mpi")
+    ap.add_argument("--ranks", default="1,2,3,4,5,6", help="comma-separated rank counts for tests/mpi")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per mpiexec run")
     ap.add_argument("--skip-single", action="store_true", help="only the multi-rank suites")
     ap.add_argument("pytest_args", nargs="*")
