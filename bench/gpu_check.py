@@ -13,7 +13,8 @@ Python versions match) the check also goes through the ``torus.kernels`` dispatc
 (Cython) kernels bit for bit; without it, only numpy, ml_dtypes and numba-cuda are needed and the device
 module is loaded on its own. Exit status 1 if any element is wrong.
 
-Correctness: reduce_into for every op and dtype (sizes 0, 1, 33, 257, 1 Mi + 3), scale, and both casts on all
+Correctness: reduce_into for every op and dtype (sizes 0, 1, 33, 257, 1 Mi + 3; the ``out=`` form at the
+largest), scale, and both casts on all
 65,536 16-bit patterns and on random float32 bit patterns (NaN, Inf, subnormals, ties included), each
 compared bit for bit with the numpy expression of the contract (NaN payloads only need to be NaN).
 Throughput: reduce (sum float32/float16/bfloat16, fused sum+scale float32), scale, narrow and widen from
@@ -165,6 +166,20 @@ def check(rng) -> list[dict]:
                     got = _device_run(fn, [a, b], use_cupy)[0]
                     record(f"reduce_into {op} {dtype} ({lib})", got, _numpy_reduce(a, b, op, scale),
                            lambda x, y, op=op, scale=scale: HOST.reduce_into(x, y, op, scale), [a, b], 0)
+    n = max(int(s) for s in ARGS.check_sizes.split(","))
+    for dtype in DTYPES:  # the three-operand form (out=): acc and src read, out written
+        for op in OPS:
+            if op == "avg" and dtype.kind == "i":
+                continue
+            scale = 1 / 3 if op == "avg" else 1.0
+            a, b = _random(rng, n, dtype), _random(rng, n, dtype)
+            fn = (lambda x, y, z, op=op, scale=scale: DEV.reduce_into(x, y, op, scale, z))
+            got = _device_run(fn, [a, b, np.zeros(n, dtype)], False)
+            record(f"reduce_into out= {op} {dtype}", got[2], _numpy_reduce(a, b, op, scale),
+                   lambda x, y, z, op=op, scale=scale: HOST.reduce_into(x, y, op, scale, z),
+                   [a, b, np.zeros(n, dtype)], 2)
+            record(f"reduce_into out= {op} {dtype}: acc unchanged", got[0], a,
+                   lambda x, y, z: None, [a, b, np.zeros(n, dtype)], 0)
     for dtype in (F16, BF16, F32, np.dtype(np.float64)):
         buf = _random(rng, 257, dtype)
         arith = np.float64 if dtype == np.float64 else np.float32

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Runs every suite: tests/ in one process, then tests/mpi/ under ``mpiexec -n K`` for each K.
 
-Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--quick] [pytest args...]
+Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--skip-single] [pytest args...]
 
 Rank 0 prints pytest's report; other ranks print only failures (tests/conftest.py aborts the whole job on
 any failing rank, so nothing deadlocks). Each mpiexec run has a wall-clock limit. The last line is the

@@ -1,7 +1,8 @@
 """torus.kernels.cuda under numba's CUDA simulator, checked bit for bit against numpy and the host kernels.
 
 The module turns the simulator on (``NUMBA_ENABLE_CUDASIM=1``) before numba.cuda is first imported, and
-skips if numba.cuda was already imported for real hardware in this process. Buffers are
+skips if numba.cuda was already imported for real hardware in this process. With ``NUMBA_ENABLE_CUDASIM=0``
+in the environment the same tests run on a real GPU (as bench/gpu_run.sh does on a device machine). Buffers are
 ``numba.cuda.to_device`` arrays, so ``torus.kernels`` dispatches them to the device kernels (the Cython
 kernels would reject them). The simulator runs each GPU thread as a Python thread (about 1.4 s per 10,000
 elements), so sizes stay tiny: 0, 1, 33 (partial warp) and 257 (two blocks of 256). 160 cases, about 12 s
@@ -23,9 +24,12 @@ if _set_here:  # numba has read it; the simulator stays on in this process, chil
     del os.environ["NUMBA_ENABLE_CUDASIM"]
 
 if not cuda.to_device.__module__.startswith("numba.cuda.simulator"):
-    pytest.skip("numba.cuda was imported for real hardware before this module could enable the CUDA "
-                "simulator; run this file in its own process (bench/gpu_check.py covers real GPUs)",
-                allow_module_level=True)
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "0":
+        pytest.skip("numba.cuda was imported for real hardware before this module could enable the CUDA "
+                    "simulator; run this file in its own process (or with NUMBA_ENABLE_CUDASIM=0 on a GPU)",
+                    allow_module_level=True)
+    if not cuda.is_available():
+        pytest.skip("NUMBA_ENABLE_CUDASIM=0 asks for a real GPU and numba finds none", allow_module_level=True)
 
 import torus.kernels as kernels  # noqa: E402
 from torus.ops import BFLOAT16, DTYPES, HALF_FORMAT, OPS  # noqa: E402

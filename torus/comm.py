@@ -1,9 +1,11 @@
 """TorusComm: an mpi4py intracommunicator seen as a periodic X x Y grid, with ring, hierarchical, 2D-torus
 and native reduce-scatter, all-gather and all-reduce.
 
-Buffers are numpy arrays (host memory; device arrays are refused with a TypeError for now: the kernel layer
-handles them, the schedules would need a CUDA-aware MPI), C-contiguous, of dtype float16, bfloat16, float32,
-float64, int32 or int64. Counts are in elements. Every
+Buffers are C-contiguous arrays of dtype float16, bfloat16, float32, float64, int32 or int64, either numpy
+arrays (host memory) or GPU arrays (``__cuda_array_interface__``: CuPy, numba, PyTorch CUDA tensors), sendbuf
+and recvbuf of the same kind. GPU buffers are reduced on the GPU (Numba-CUDA kernels) and each message is
+staged through pinned host memory (``torus/algorithms/staged.py``; the MPI need not be CUDA-aware); the
+``native`` algorithm copies the whole buffer to the host and back. Counts are in elements. Every
 argument is checked on the calling rank before any message is sent; a bad one raises ``ValueError`` or
 ``TypeError`` naming the operation and the rank. With ``check=True`` (the default; ``TORUS_CHECK=0`` turns it
 off) each call first all-gathers a 64-byte signature (collective, op, dtype, count, algorithm, segment size,
@@ -21,8 +23,8 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from torus import faults, kernels
-from torus.algorithms import hierarchical, native, ring, torus2d
+from torus import device, faults, kernels
+from torus.algorithms import hierarchical, native, ring, staged, torus2d
 from torus.algorithms.executor import Executor
 from torus.errors import MismatchError
 from torus.ops import DTYPE_CODE, OPS, check_op_dtype
@@ -154,12 +156,16 @@ class TorusComm:
         if buf is None or buf is MPI.IN_PLACE:
             self._fail(what, ValueError, f"{name} is required")
         if not isinstance(buf, np.ndarray):
-            if hasattr(buf, "__cuda_array_interface__"):
-                # The kernels handle device memory (torus.kernels.cuda); the schedules do not yet: they need
-                # a CUDA-aware MPI and device-side copies, which no test machine here has.
-                self._fail(what, TypeError, f"{name} is a device array; collectives on device buffers are "
-                                            "not supported yet: copy it to a numpy array first")
-            self._fail(what, TypeError, f"{name} must be a numpy array, got {type(buf).__name__}")
+            if device.is_device(buf):
+                try:
+                    why = device.problem(buf, writable)
+                except Exception as exc:  # no CUDA driver, numba-cuda missing, a foreign context, ...
+                    self._fail(what, TypeError, f"{name} is a GPU array, but numba.cuda cannot use it here "
+                                                f"({type(exc).__name__}: {str(exc).strip()})")
+                if why:
+                    self._fail(what, ValueError, f"{name} (device array) {why}")
+                return buf
+            self._fail(what, TypeError, f"{name} must be a numpy or GPU array, got {type(buf).__name__}")
         if not buf.flags.c_contiguous:
             self._fail(what, ValueError, f"{name} is not C-contiguous (pass np.ascontiguousarray(...))")
         if writable and not buf.flags.writeable:
@@ -177,15 +183,21 @@ class TorusComm:
         sendbuf = self._array(what, "sendbuf", sendbuf, False)
         dt = check_op_dtype(what, self.rank, op, sendbuf.dtype)
         n = expected(sendbuf.size)
+        on_device = device.is_device(sendbuf)
         if recvbuf is None:
-            recvbuf = np.empty_like(sendbuf) if what == "allreduce" else np.empty(n, dt)
+            shape = sendbuf.shape if what == "allreduce" else (n,)
+            recvbuf = device.empty(sendbuf, shape, dt) if on_device else np.empty(shape, dt)
             return sendbuf, recvbuf, dt
         recvbuf = self._array(what, "recvbuf", recvbuf, True)
+        if device.is_device(recvbuf) != on_device:
+            where = ("GPU", "host") if on_device else ("host", "GPU")
+            self._fail(what, TypeError, f"sendbuf is in {where[0]} memory and recvbuf in {where[1]} memory; "
+                                        "pass both on the host or both on the GPU")
         if recvbuf.dtype != dt:
             self._fail(what, TypeError, f"recvbuf dtype {recvbuf.dtype} differs from sendbuf dtype {dt}")
         if recvbuf.size != n:
             self._fail(what, ValueError, f"recvbuf has {recvbuf.size} elements, expected {n}")
-        if isinstance(recvbuf, np.ndarray) and np.may_share_memory(sendbuf, recvbuf):
+        if device.overlap(sendbuf, recvbuf) if on_device else np.may_share_memory(sendbuf, recvbuf):
             self._fail(what, ValueError, "sendbuf and recvbuf overlap without being the same buffer "
                                          "(use MPI.IN_PLACE)")
         return sendbuf, recvbuf, dt
@@ -326,8 +338,18 @@ class TorusComm:
         algo = self._algorithm(what, algorithm, count * dt.itemsize, sendbuf is None)
         if self.check:
             self._agree(what, algo, op, dt, count, None)
-        buf = recvbuf.reshape(-1)
         scale = 1.0 / self.size if op == "avg" else 1.0
+        if device.is_device(recvbuf):
+            buf = device.view(recvbuf).reshape(-1)
+            if sendbuf is not None:
+                device.copy(buf, device.view(sendbuf).reshape(-1))
+            if algo == "native":
+                self._native_on_host(buf, lambda h: native.allreduce(self.comm, h, op, scale))
+            else:
+                staged.run(self._executor, f"{what}({algo})", self._plan(what, algo, count, dt.itemsize),
+                           buf, op, scale)
+            return recvbuf
+        buf = recvbuf.reshape(-1)
         if algo == "native":
             if sendbuf is not None:
                 np.copyto(buf, sendbuf.reshape(-1))
@@ -337,6 +359,14 @@ class TorusComm:
         self._executor.run(f"{what}({algo})", self._plan(what, algo, count, dt.itemsize), buf, op, scale,
                            None if sendbuf is None else sendbuf.reshape(-1))
         return recvbuf
+
+    def _native_on_host(self, buf, collective) -> None:
+        """Run ``collective(host_array)`` on a pinned host copy of device array ``buf``, then copy back:
+        MPI's own collectives cannot read device memory unless the MPI is CUDA-aware."""
+        host = staged.pinned(self._executor, "native", buf.nbytes).view(buf.dtype)
+        device.copy(host, buf)
+        collective(host)
+        device.copy(buf, host)
 
     def _counts(self, what: str, recvcounts, block: int):
         if recvcounts is None:
@@ -378,13 +408,30 @@ class TorusComm:
             algo = "ring"
         if self.check:
             self._agree(what, algo, op, dt, sum(counts), counts)
-        src = (recvbuf if in_place else sendbuf).reshape(-1)
         lo, hi = displs[self.rank], displs[self.rank] + counts[self.rank]
+        scale = 1.0 / self.size if op == "avg" else 1.0
+        if device.is_device(recvbuf):
+            src = device.view(recvbuf if in_place else sendbuf).reshape(-1)
+            out = device.view(recvbuf).reshape(-1)
+            out = out[lo:hi] if in_place else out
+            if algo == "native":  # through the host: MPI's own collective cannot read device memory
+                hwork = staged.pinned(self._executor, "native", src.nbytes).view(dt)
+                hout = staged.pinned(self._executor, "native out", out.nbytes).view(dt)
+                device.copy(hwork, src)
+                native.reduce_scatter(self.comm, hwork, hout, counts, op, scale)
+                device.copy(out, hout)
+            else:
+                work = staged.device_buffer(self._executor, "work", src.size, dt)
+                device.copy(work, src)
+                staged.run(self._executor, f"{what}({algo})", self._plan(what, algo, tuple(counts),
+                                                                         dt.itemsize), work, op, scale)
+                device.copy(out, work[lo:hi])
+            return recvbuf.reshape(-1)[lo:hi] if in_place else recvbuf
+        src = (recvbuf if in_place else sendbuf).reshape(-1)
         out = recvbuf.reshape(-1)[lo:hi] if in_place else recvbuf.reshape(-1)
         # The schedules write into a reusable working buffer and read the input from src (never written), so
         # sendbuf (and, in place, every block but ours) stays untouched without copying it first.
         work = self._executor.buffer("work", src.nbytes).view(dt)
-        scale = 1.0 / self.size if op == "avg" else 1.0
         if algo == "native":
             np.copyto(work, src)
             native.reduce_scatter(self.comm, work, out, counts, op, scale)
@@ -426,9 +473,20 @@ class TorusComm:
             algo = "ring"
         if self.check:
             self._agree(what, algo, "sum", dt, sum(counts), counts)
+        mine = slice(displs[self.rank], displs[self.rank] + counts[self.rank])
+        if device.is_device(recvbuf):
+            buf = device.view(recvbuf).reshape(-1)
+            if sendbuf is not None:
+                device.copy(buf[mine], device.view(sendbuf).reshape(-1))
+            if algo == "native":
+                self._native_on_host(buf, lambda h: native.allgather(self.comm, h, counts, displs))
+            else:
+                staged.run(self._executor, f"{what}({algo})", self._plan(what, algo, tuple(counts),
+                                                                         dt.itemsize), buf, "sum", 1.0)
+            return recvbuf
         buf = recvbuf.reshape(-1)
         if sendbuf is not None:
-            np.copyto(buf[displs[self.rank]:displs[self.rank] + counts[self.rank]], sendbuf.reshape(-1))
+            np.copyto(buf[mine], sendbuf.reshape(-1))
         if algo == "native":
             native.allgather(self.comm, buf, counts, displs)
             return recvbuf

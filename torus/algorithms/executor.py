@@ -41,6 +41,7 @@ class _Message:
     final: bool = False
     fresh: bool = False  # out of place: the region is untouched so far, so read it from src
     until: int = 0  # a send: the step that next writes its region, so the send must complete before it
+    stage: tuple = ()  # a send from device memory: (lo, hi) ranges to copy to the host mirror first
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,18 @@ class _Touched:
         lo = min([lo] + [a for a, _ in merged])
         hi = max([hi] + [b for _, b in merged])
         self.spans = sorted(keep + [(lo, hi)])
+
+    def remove(self, lo: int, hi: int) -> None:
+        out = []
+        for a, b in self.spans:
+            if b <= lo or a >= hi:
+                out.append((a, b))
+                continue
+            if a < lo:
+                out.append((a, lo))
+            if b > hi:
+                out.append((hi, b))
+        self.spans = out
 
 
 def _fresh(touched: _Touched, lo: int, hi: int, prefill: list) -> bool:
@@ -150,12 +163,14 @@ class Executor:
         end because no step writes them."""
         seg = max(1, self.segment_bytes // itemsize)
         steps, touched, extent = [], _Touched(), 0
+        mirrored = _Touched()  # device buffers: where the host mirror holds the device's current bytes
         for step in plan:
             prefill: list = []
             if step.scale is not None:
                 lo, hi = step.scale.offset, step.scale.offset + step.scale.count
                 prefill = touched.gaps(lo, hi)  # scaling happens in buf: bring the input there first
                 touched.add(lo, hi)
+                mirrored.remove(lo, hi)
                 extent = max(extent, hi)
                 steps.append(_Step((), (), 0, (lo, hi), tuple(prefill)))
                 continue
@@ -163,7 +178,10 @@ class Executor:
             for s in step.sends:
                 for o, c in segments(s.offset, s.count, seg):
                     fresh = c > 0 and _fresh(touched, o, o + c, prefill)
-                    sends.append(_Message(self.comms[s.comm], s.comm, s.peer, o, o + c, fresh=fresh))
+                    stage = tuple(mirrored.gaps(o, o + c))
+                    mirrored.add(o, o + c)
+                    sends.append(_Message(self.comms[s.comm], s.comm, s.peer, o, o + c, fresh=fresh,
+                                          stage=stage))
                     extent = max(extent, o + c)
             recvs, t = [], 0
             for r in step.recvs:
@@ -172,6 +190,10 @@ class Executor:
                     recvs.append(_Message(self.comms[r.comm], r.comm, r.peer, o, o + c,
                                           t if r.reduce else -1, r.final, fresh))
                     touched.add(o, o + c)  # now, so a second reduce into it in this step reads buf
+                    if r.reduce:  # reduced on the device: the mirror is stale there until staged again
+                        mirrored.remove(o, o + c)
+                    else:  # received into the mirror, then copied to the device
+                        mirrored.add(o, o + c)
                     t += c if r.reduce else 0
                     extent = max(extent, o + c)
             steps.append(_Step(tuple(recvs), tuple(sends), t, None, tuple(prefill)))
@@ -184,6 +206,13 @@ class Executor:
             f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step {step + 1}/{nsteps} "
             f"waiting on rank {msg.peer} of the {msg.name} communicator (a peer died, stalled or called a "
             "different collective); the communicator is unusable now, abort the job"))
+
+    def retire(self, inflight: list, si: int, what: str, nsteps: int) -> list:
+        """Wait for the sends whose deadline is step ``si`` or earlier; return the others."""
+        for f in inflight:
+            if f[0] <= si:
+                self._wait(f[2], what, f[1], nsteps, f[3])
+        return [f for f in inflight if f[0] > si]
 
     def run(self, what: str, plan: CompiledPlan, buf: np.ndarray, op: str, scale: float, src=None,
             keep: tuple | None = None) -> None:
@@ -201,9 +230,7 @@ class Executor:
         inflight: list = []  # sends not yet waited for: (until, step, request, message)
         for si, step in enumerate(plan.steps):
             if inflight and min(f[0] for f in inflight) <= si:
-                for f in [f for f in inflight if f[0] <= si]:
-                    self._wait(f[2], what, f[1], nsteps, f[3])
-                inflight = [f for f in inflight if f[0] > si]
+                inflight = self.retire(inflight, si, what, nsteps)
             if src is not None:
                 for lo, hi in step.prefill:
                     np.copyto(buf[lo:hi], src[lo:hi])

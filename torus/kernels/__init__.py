@@ -31,7 +31,8 @@ def get_num_threads() -> int:
     return _num_threads
 
 
-def _is_device(buf) -> bool:
+def is_device(buf) -> bool:
+    """True for a GPU array (``__cuda_array_interface__``, or the CUDA simulator's arrays)."""
     # numba's own device arrays are marked __cuda_ndarray__; the CUDA simulator's (NUMBA_ENABLE_CUDASIM=1)
     # carry only that mark, no __cuda_array_interface__.
     return not isinstance(buf, np.ndarray) and (hasattr(buf, "__cuda_array_interface__")
@@ -50,7 +51,7 @@ def reduce_into(acc, src, op: str, scale: float = 1.0, out=None) -> None:
     if isinstance(acc, np.ndarray):  # the host fast path first: schedules call this once per segment
         _reduce.reduce(acc, src, OP_CODE[op], scale, _num_threads, out)
         return
-    if not _is_device(acc):
+    if not is_device(acc):
         raise TypeError(f"reduce_into: expected numpy or CUDA arrays, got {type(acc).__name__}")
     from torus.kernels import cuda
     cuda.reduce_into(acc, src, op, scale, out)
@@ -58,7 +59,7 @@ def reduce_into(acc, src, op: str, scale: float = 1.0, out=None) -> None:
 
 def scale(buf, factor: float) -> None:
     """``buf *= factor`` in place (float dtypes; 16-bit types round once)."""
-    if _is_device(buf):
+    if is_device(buf):
         from torus.kernels import cuda
         cuda.scale(buf, factor)
         return
@@ -71,7 +72,7 @@ def scale(buf, factor: float) -> None:
 
 def narrow(src, dst) -> None:
     """Cast float32 ``src`` into float16/bfloat16 ``dst`` (same length), round to nearest even."""
-    if _is_device(src):
+    if is_device(src):
         from torus.kernels import cuda
         cuda.narrow(src, dst)
         return
@@ -80,7 +81,7 @@ def narrow(src, dst) -> None:
 
 def widen(src, dst) -> None:
     """Cast float16/bfloat16 ``src`` into float32 ``dst`` (same length), exact."""
-    if _is_device(src):
+    if is_device(src):
         from torus.kernels import cuda
         cuda.widen(src, dst)
         return

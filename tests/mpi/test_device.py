@@ -1,0 +1,138 @@
+"""Collectives on GPU buffers (``torus/algorithms/staged.py``): every algorithm, grid and node layout, against
+MPI_Allreduce (oracle.py) and bit for bit against the same call on host buffers.
+
+Without a GPU this runs under numba's CUDA simulator (turned on here, before numba.cuda is first imported in
+this process): device arrays are then host memory behind numba's device-array interface, so the staging
+logic (which regions are copied to the host mirror before a send, which receives are copied to the device)
+and the kernel dispatch are what is tested. With ``NUMBA_ENABLE_CUDASIM=0`` set and a GPU present the same
+tests run on the GPU (bench/gpu_run.sh). The simulator runs one Python thread per GPU thread, so counts stay
+small (37 elements, segments of 16 bytes so every chunk is several messages).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+_set_here = "numba.cuda" not in sys.modules and "NUMBA_ENABLE_CUDASIM" not in os.environ
+if _set_here:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+from numba import cuda  # noqa: E402
+if _set_here:
+    del os.environ["NUMBA_ENABLE_CUDASIM"]
+SIMULATED = cuda.to_device.__module__.startswith("numba.cuda.simulator")
+if not SIMULATED and not cuda.is_available():
+    pytest.skip("numba.cuda was imported for real hardware and there is no GPU", allow_module_level=True)
+
+import torus  # noqa: E402
+from oracle import (BF16, CASES, PATTERNS, SIZE, WORLD, assert_matches, assert_same_on_all_ranks,  # noqa: E402
+                    expected, make, sentinel, torus_comm)
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+COUNT = 37
+SEGMENT = 16
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("mode", ["in", "out"])
+@pytest.mark.parametrize("dtype, op", [(BF16, "sum"), (np.dtype(np.float16), "avg"), (np.dtype(np.float32), "max"),
+                                       (np.dtype(np.float32), "avg"), (np.dtype(np.int32), "sum")], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_allreduce(case, dtype, op, mode, rng):
+    tc, algo = torus_comm(case, segment_bytes=SEGMENT)
+    x = make(rng, dtype, op, COUNT)
+    what = f"device allreduce({algo}, {op}, {dtype}, {mode})"
+    host = tc.allreduce(x, op=op, algorithm=algo)
+    if mode == "in":
+        d = cuda.to_device(x)
+        assert tc.allreduce(torus.IN_PLACE, d, op=op, algorithm=algo) is d
+    else:
+        send, d = cuda.to_device(x), cuda.to_device(sentinel(COUNT, dtype))
+        assert tc.allreduce(send, d, op=op, algorithm=algo) is d
+        assert _bits(send.copy_to_host()) == _bits(x), f"{what}: sendbuf was modified"
+    got = d.copy_to_host()
+    ref, bound = expected(x, op)
+    assert_matches(got, ref, bound, what)
+    assert _bits(got) == _bits(host), f"{what}: device and host results differ in their bits"
+    assert_same_on_all_ranks(got, what)
+
+
+@pytest.mark.parametrize("count", [0, 1, max(SIZE - 1, 0), 1003])
+@pytest.mark.parametrize("case", ["ring", "native", "torus2d-2x2", "torus2d-2x3", "hierarchical-rpn2"])
+def test_allreduce_counts_and_allocation(case, count, rng):
+    """recvbuf=None allocates a device array; counts 0, 1 and fewer than the ranks; default segments."""
+    tc, algo = torus_comm(case)
+    x = make(rng, np.float32, "sum", count)
+    out = tc.allreduce(cuda.to_device(x), algorithm=algo)
+    assert torus.kernels.is_device(out) and out.shape == x.shape and out.dtype == x.dtype
+    assert_matches(out.copy_to_host(), *expected(x, "sum"), f"device allreduce({algo}, count={count})")
+
+
+@pytest.mark.parametrize("mode", ["in", "out"])
+@pytest.mark.parametrize("pattern", ["uneven", "zeros", "block7"])
+@pytest.mark.parametrize("case", CASES)
+def test_reduce_scatter(case, pattern, mode, rng):
+    tc, algo = torus_comm(case, segment_bytes=SEGMENT)
+    counts = PATTERNS[pattern]
+    x = make(rng, np.float32, "avg", sum(counts))
+    lo, hi = sum(counts[:WORLD.Get_rank()]), sum(counts[:WORLD.Get_rank() + 1])
+    what = f"device reduce_scatter({algo}, {pattern}, {mode})"
+    host = tc.reduce_scatter(x, recvcounts=counts, op="avg", algorithm=algo)
+    if mode == "in":
+        d = cuda.to_device(x)
+        tc.reduce_scatter(torus.IN_PLACE, d, recvcounts=counts, op="avg", algorithm=algo)
+        full = d.copy_to_host()
+        got = full[lo:hi]
+        outside = np.concatenate([full[:lo], full[hi:]])
+        assert _bits(outside) == _bits(np.concatenate([x[:lo], x[hi:]])), f"{what}: wrote outside its block"
+    else:
+        d = cuda.to_device(sentinel(hi - lo, np.float32))
+        assert tc.reduce_scatter(cuda.to_device(x), d, recvcounts=counts, op="avg", algorithm=algo) is d
+        got = d.copy_to_host()
+    ref, bound = expected(x, "avg")
+    assert_matches(got, ref[lo:hi], bound[lo:hi], what)
+    assert _bits(got) == _bits(host), f"{what}: device and host results differ in their bits"
+
+
+@pytest.mark.parametrize("mode", ["in", "out"])
+@pytest.mark.parametrize("pattern", ["uneven", "zeros", "block7"])
+@pytest.mark.parametrize("case", CASES)
+def test_allgather(case, pattern, mode, rng):
+    tc, algo = torus_comm(case, segment_bytes=SEGMENT)
+    counts = PATTERNS[pattern]
+    rank = WORLD.Get_rank()
+    mine = make(rng, BF16, "max", counts[rank])
+    every = WORLD.allgather(mine)  # the oracle: every rank's block, in rank order
+    want = np.concatenate(every) if every else mine
+    lo = sum(counts[:rank])
+    d = cuda.to_device(sentinel(sum(counts), BF16))
+    if mode == "in":
+        if mine.size:
+            d[lo:lo + mine.size].copy_to_device(mine)
+        tc.allgather(torus.IN_PLACE, d, recvcounts=counts, algorithm=algo)
+    else:
+        tc.allgather(cuda.to_device(mine), d, recvcounts=counts, algorithm=algo)
+    got = d.copy_to_host()
+    assert _bits(got) == _bits(want), f"device allgather({algo}, {pattern}, {mode}) on rank {rank}: wrong"
+
+
+def test_host_and_device_buffers_mixed_raise_before_any_message():
+    tc, _ = torus_comm("ring")
+    x = np.ones(8, np.float32)
+    with pytest.raises(TypeError, match=rf"allreduce on rank {WORLD.Get_rank()}: sendbuf is in GPU memory "
+                                        "and recvbuf in host memory"):
+        tc.allreduce(cuda.to_device(x), np.empty(8, np.float32))
+    with pytest.raises(TypeError, match="sendbuf is in host memory and recvbuf in GPU memory"):
+        tc.allreduce(x, cuda.to_device(x))
+    d = cuda.to_device(np.ones(16, np.float32))
+    with pytest.raises(ValueError, match=r"sendbuf \(device array\) is not C-contiguous"):
+        tc.allreduce(d.reshape(4, 4)[:, ::2], cuda.device_array((4, 2), np.float32))
+    with pytest.raises(ValueError, match="overlap"):
+        tc.allreduce(d[0:8], d[4:12])
+    # Every rank raised locally and (check on) announced it; this call completes those announcements.
+    assert_matches(tc.allreduce(x), np.full(8, SIZE), None, "allreduce after the errors")
