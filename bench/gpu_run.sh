@@ -40,7 +40,7 @@ NUMBA_ENABLE_CUDASIM=0 timeout 100 python3 -m pytest -q -p no:cacheprovider test
 step 3 device collectives, 2 ranks on one GPU
 export NUMBA_ENABLE_CUDASIM=0
 timeout 120 $MPIEXEC -n 1 python3 -m pytest -q -p no:cacheprovider tests/mpi/test_device.py \
-  : -n 1 python3 -m pytest -q -p no:cacheprovider -p no:terminal tests/mpi/test_device.py > "$OUT/step3.log" 2>&1
+  : -n 1 python3 -m pytest -p no:cacheprovider -p no:terminal tests/mpi/test_device.py > "$OUT/step3.log" 2>&1
 echo "exit $?"; grep -a "passed\|failed" "$OUT/step3.log" | tail -3
 unset NUMBA_ENABLE_CUDASIM
 step 4 staged GPU all-reduce timing, 2 ranks

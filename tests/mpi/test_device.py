@@ -39,6 +39,19 @@ def _bits(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a).view(np.uint8).tobytes()
 
 
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def to_device(a: np.ndarray):
+    """A device copy of ``a``, through an unsigned view: numba copies through the buffer protocol, which has
+    no float16 or bfloat16."""
+    return cuda.to_device(a.view(_UINT[a.dtype.itemsize])).view(a.dtype)
+
+
+def to_host(d) -> np.ndarray:
+    return d.view(_UINT[d.dtype.itemsize]).copy_to_host().view(d.dtype)
+
+
 @pytest.mark.parametrize("mode", ["in", "out"])
 @pytest.mark.parametrize("dtype, op", [(BF16, "sum"), (np.dtype(np.float16), "avg"), (np.dtype(np.float32), "max"),
                                        (np.dtype(np.float32), "avg"), (np.dtype(np.int32), "sum")], ids=str)
@@ -49,13 +62,13 @@ def test_allreduce(case, dtype, op, mode, rng):
     what = f"device allreduce({algo}, {op}, {dtype}, {mode})"
     host = tc.allreduce(x, op=op, algorithm=algo)
     if mode == "in":
-        d = cuda.to_device(x)
+        d = to_device(x)
         assert tc.allreduce(torus.IN_PLACE, d, op=op, algorithm=algo) is d
     else:
-        send, d = cuda.to_device(x), cuda.to_device(sentinel(COUNT, dtype))
+        send, d = to_device(x), to_device(sentinel(COUNT, dtype))
         assert tc.allreduce(send, d, op=op, algorithm=algo) is d
-        assert _bits(send.copy_to_host()) == _bits(x), f"{what}: sendbuf was modified"
-    got = d.copy_to_host()
+        assert _bits(to_host(send)) == _bits(x), f"{what}: sendbuf was modified"
+    got = to_host(d)
     ref, bound = expected(x, op)
     assert_matches(got, ref, bound, what)
     assert _bits(got) == _bits(host), f"{what}: device and host results differ in their bits"
@@ -68,9 +81,9 @@ def test_allreduce_counts_and_allocation(case, count, rng):
     """recvbuf=None allocates a device array; counts 0, 1 and fewer than the ranks; default segments."""
     tc, algo = torus_comm(case)
     x = make(rng, np.float32, "sum", count)
-    out = tc.allreduce(cuda.to_device(x), algorithm=algo)
+    out = tc.allreduce(to_device(x), algorithm=algo)
     assert torus.kernels.is_device(out) and out.shape == x.shape and out.dtype == x.dtype
-    assert_matches(out.copy_to_host(), *expected(x, "sum"), f"device allreduce({algo}, count={count})")
+    assert_matches(to_host(out), *expected(x, "sum"), f"device allreduce({algo}, count={count})")
 
 
 @pytest.mark.parametrize("mode", ["in", "out"])
@@ -84,16 +97,16 @@ def test_reduce_scatter(case, pattern, mode, rng):
     what = f"device reduce_scatter({algo}, {pattern}, {mode})"
     host = tc.reduce_scatter(x, recvcounts=counts, op="avg", algorithm=algo)
     if mode == "in":
-        d = cuda.to_device(x)
+        d = to_device(x)
         tc.reduce_scatter(torus.IN_PLACE, d, recvcounts=counts, op="avg", algorithm=algo)
-        full = d.copy_to_host()
+        full = to_host(d)
         got = full[lo:hi]
         outside = np.concatenate([full[:lo], full[hi:]])
         assert _bits(outside) == _bits(np.concatenate([x[:lo], x[hi:]])), f"{what}: wrote outside its block"
     else:
-        d = cuda.to_device(sentinel(hi - lo, np.float32))
-        assert tc.reduce_scatter(cuda.to_device(x), d, recvcounts=counts, op="avg", algorithm=algo) is d
-        got = d.copy_to_host()
+        d = to_device(sentinel(hi - lo, np.float32))
+        assert tc.reduce_scatter(to_device(x), d, recvcounts=counts, op="avg", algorithm=algo) is d
+        got = to_host(d)
     ref, bound = expected(x, "avg")
     assert_matches(got, ref[lo:hi], bound[lo:hi], what)
     assert _bits(got) == _bits(host), f"{what}: device and host results differ in their bits"
@@ -110,14 +123,14 @@ def test_allgather(case, pattern, mode, rng):
     every = WORLD.allgather(mine)  # the oracle: every rank's block, in rank order
     want = np.concatenate(every) if every else mine
     lo = sum(counts[:rank])
-    d = cuda.to_device(sentinel(sum(counts), BF16))
+    d = to_device(sentinel(sum(counts), BF16))
     if mode == "in":
         if mine.size:
-            d[lo:lo + mine.size].copy_to_device(mine)
+            d[lo:lo + mine.size].view(np.uint16).copy_to_device(mine.view(np.uint16))
         tc.allgather(torus.IN_PLACE, d, recvcounts=counts, algorithm=algo)
     else:
-        tc.allgather(cuda.to_device(mine), d, recvcounts=counts, algorithm=algo)
-    got = d.copy_to_host()
+        tc.allgather(to_device(mine), d, recvcounts=counts, algorithm=algo)
+    got = to_host(d)
     assert _bits(got) == _bits(want), f"device allgather({algo}, {pattern}, {mode}) on rank {rank}: wrong"
 
 
@@ -126,10 +139,10 @@ def test_host_and_device_buffers_mixed_raise_before_any_message():
     x = np.ones(8, np.float32)
     with pytest.raises(TypeError, match=rf"allreduce on rank {WORLD.Get_rank()}: sendbuf is in GPU memory "
                                         "and recvbuf in host memory"):
-        tc.allreduce(cuda.to_device(x), np.empty(8, np.float32))
+        tc.allreduce(to_device(x), np.empty(8, np.float32))
     with pytest.raises(TypeError, match="sendbuf is in host memory and recvbuf in GPU memory"):
-        tc.allreduce(x, cuda.to_device(x))
-    d = cuda.to_device(np.ones(16, np.float32))
+        tc.allreduce(x, to_device(x))
+    d = to_device(np.ones(16, np.float32))
     with pytest.raises(ValueError, match=r"sendbuf \(device array\) is not C-contiguous"):
         tc.allreduce(d.reshape(4, 4)[:, ::2], cuda.device_array((4, 2), np.float32))
     with pytest.raises(ValueError, match="overlap"):
