@@ -3,9 +3,9 @@ and native reduce-scatter, all-gather and all-reduce.
 
 Buffers are C-contiguous arrays of dtype float16, bfloat16, float32, float64, int32 or int64, either numpy
 arrays (host memory) or GPU arrays (``__cuda_array_interface__``: CuPy, numba, PyTorch CUDA tensors), sendbuf
-and recvbuf of the same kind. GPU buffers are reduced on the GPU (Numba-CUDA kernels) and each message is
-staged through pinned host memory (``torus/algorithms/staged.py``; the MPI need not be CUDA-aware); the
-``native`` algorithm copies the whole buffer to the host and back. Counts are in elements. Every
+and recvbuf of the same kind. GPU buffers are copied to pinned host memory, reduced there and copied back; with
+``gpu_reduce=True`` they stay on the GPU, are reduced there (Numba-CUDA kernels) and each message is staged
+through a pinned host mirror (``torus/algorithms/staged.py``). Either way the MPI need not be CUDA-aware. Counts are in elements. Every
 argument is checked on the calling rank before any message is sent; a bad one raises ``ValueError`` or
 ``TypeError`` naming the operation and the rank. With ``check=True`` (the default; ``TORUS_CHECK=0`` turns it
 off) each call first all-gathers a 64-byte signature (collective, op, dtype, count, algorithm, segment size,
@@ -92,13 +92,21 @@ class TorusComm:
     timeout : float or None
         Seconds a collective may wait without progress before raising ``torus.errors.TimeoutError``
         (default 600, ``TORUS_TIMEOUT``; 0 or None waits forever).
+    gpu_reduce : bool
+        GPU buffers only (default off, ``TORUS_GPU_REDUCE=1``). Off: the whole buffer is copied to pinned host
+        memory once, reduced there by the host schedule and kernels, and copied back. On: the buffer stays on
+        the GPU, every message is staged through a host mirror and reduced there by the Numba-CUDA kernels
+        (``torus/algorithms/staged.py``). Same results to the bit. Measured on an H200 with a host MPI
+        (bench/README.md): off is faster, because on pays a device copy and a kernel launch per segment; on is
+        the step towards a CUDA-aware MPI, where the mirror goes away. May differ between ranks.
 
     Raises ``ValueError`` when ``dims`` does not multiply to the size. Collective: every rank of ``comm``
     must construct it together.
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, dims=None, *, ranks_per_node: int | None = None,
-                 segment_bytes: int | None = None, check: bool | None = None, timeout: float | None = -1.0):
+                 segment_bytes: int | None = None, check: bool | None = None, timeout: float | None = -1.0,
+                 gpu_reduce: bool | None = None):
         base = MPI.COMM_WORLD if comm is None else comm
         rank, size = base.Get_rank(), base.Get_size()
         if dims is None:
@@ -117,6 +125,8 @@ class TorusComm:
         self.rank, self.size, self.dims = rank, size, (X, Y)
         self.segment_bytes = seg
         self.check = (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check)
+        self.gpu_reduce = (os.environ.get("TORUS_GPU_REDUCE", "0") == "1") if gpu_reduce is None else bool(
+            gpu_reduce)
         # Row-major Cartesian grid: coords (y, x), rank = y * X + x; periodic in both directions.
         self.cart = self.comm.Create_cart([Y, X], periods=[True, True], reorder=False)
         y, x = self.cart.Get_coords(rank)
@@ -341,11 +351,18 @@ class TorusComm:
         scale = 1.0 / self.size if op == "avg" else 1.0
         if device.is_device(recvbuf):
             buf = device.view(recvbuf).reshape(-1)
-            if sendbuf is not None:
-                device.copy(buf, device.view(sendbuf).reshape(-1))
-            if algo == "native":
-                self._native_on_host(buf, lambda h: native.allreduce(self.comm, h, op, scale))
+            src = buf if sendbuf is None else device.view(sendbuf).reshape(-1)
+            if algo == "native" or not self.gpu_reduce:
+                host = self._stage("stage", src)
+                if algo == "native":
+                    native.allreduce(self.comm, host, op, scale)
+                else:
+                    self._executor.run(f"{what}({algo})", self._plan(what, algo, count, dt.itemsize), host, op,
+                                       scale)
+                device.copy(buf, host)
             else:
+                if sendbuf is not None:
+                    device.copy(buf, src)
                 staged.run(self._executor, f"{what}({algo})", self._plan(what, algo, count, dt.itemsize),
                            buf, op, scale)
             return recvbuf
@@ -360,13 +377,11 @@ class TorusComm:
                            None if sendbuf is None else sendbuf.reshape(-1))
         return recvbuf
 
-    def _native_on_host(self, buf, collective) -> None:
-        """Run ``collective(host_array)`` on a pinned host copy of device array ``buf``, then copy back:
-        MPI's own collectives cannot read device memory unless the MPI is CUDA-aware."""
-        host = staged.pinned(self._executor, "native", buf.nbytes).view(buf.dtype)
-        device.copy(host, buf)
-        collective(host)
-        device.copy(buf, host)
+    def _stage(self, name: str, src):
+        """A pinned host copy of device array ``src`` (1-D), in memory reused across calls."""
+        host = staged.pinned(self._executor, name, src.nbytes).view(src.dtype)
+        device.copy(host, src)
+        return host
 
     def _counts(self, what: str, recvcounts, block: int):
         if recvcounts is None:
@@ -414,11 +429,15 @@ class TorusComm:
             src = device.view(recvbuf if in_place else sendbuf).reshape(-1)
             out = device.view(recvbuf).reshape(-1)
             out = out[lo:hi] if in_place else out
-            if algo == "native":  # through the host: MPI's own collective cannot read device memory
-                hwork = staged.pinned(self._executor, "native", src.nbytes).view(dt)
-                hout = staged.pinned(self._executor, "native out", out.nbytes).view(dt)
-                device.copy(hwork, src)
-                native.reduce_scatter(self.comm, hwork, hout, counts, op, scale)
+            if algo == "native" or not self.gpu_reduce:  # reduce on the host, in pinned memory
+                host = self._stage("stage", src)
+                if algo == "native":
+                    hout = staged.pinned(self._executor, "stage out", out.nbytes).view(dt)
+                    native.reduce_scatter(self.comm, host, hout, counts, op, scale)
+                else:
+                    self._executor.run(f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize),
+                                       host, op, scale)
+                    hout = host[lo:hi]
                 device.copy(out, hout)
             else:
                 work = staged.device_buffer(self._executor, "work", src.size, dt)
@@ -476,13 +495,21 @@ class TorusComm:
         mine = slice(displs[self.rank], displs[self.rank] + counts[self.rank])
         if device.is_device(recvbuf):
             buf = device.view(recvbuf).reshape(-1)
+            own = buf[mine] if sendbuf is None else device.view(sendbuf).reshape(-1)
+            if algo == "native" or not self.gpu_reduce:  # gather in pinned host memory
+                host = staged.pinned(self._executor, "stage", buf.nbytes).view(dt)
+                device.copy(host[mine], own)
+                if algo == "native":
+                    native.allgather(self.comm, host, counts, displs)
+                else:
+                    self._executor.run(f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize),
+                                       host, "sum", 1.0)
+                device.copy(buf, host)
+                return recvbuf
             if sendbuf is not None:
-                device.copy(buf[mine], device.view(sendbuf).reshape(-1))
-            if algo == "native":
-                self._native_on_host(buf, lambda h: native.allgather(self.comm, h, counts, displs))
-            else:
-                staged.run(self._executor, f"{what}({algo})", self._plan(what, algo, tuple(counts),
-                                                                         dt.itemsize), buf, "sum", 1.0)
+                device.copy(buf[mine], own)
+            staged.run(self._executor, f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize),
+                       buf, "sum", 1.0)
             return recvbuf
         buf = recvbuf.reshape(-1)
         if sendbuf is not None:

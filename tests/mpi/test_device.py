@@ -1,5 +1,7 @@
-"""Collectives on GPU buffers (``torus/algorithms/staged.py``): every algorithm, grid and node layout, against
-MPI_Allreduce (oracle.py) and bit for bit against the same call on host buffers.
+"""Collectives on GPU buffers: every algorithm, grid and node layout, both ways of handling them (``host``:
+the whole buffer reduced in pinned host memory; ``gpu``: ``gpu_reduce=True``, reduced on the GPU with each
+message staged through a host mirror, ``torus/algorithms/staged.py``), against MPI_Allreduce (oracle.py) and
+bit for bit against the same call on host buffers.
 
 Without a GPU this runs under numba's CUDA simulator (turned on here, before numba.cuda is first imported in
 this process): device arrays are then host memory behind numba's device-array interface, so the staging
@@ -33,6 +35,13 @@ from oracle import (BF16, CASES, PATTERNS, SIZE, WORLD, assert_matches, assert_s
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 COUNT = 37
 SEGMENT = 16
+STAGING = ["host", "gpu"]
+
+
+def comm(case: str, staging: str, segment_bytes: int | None = SEGMENT):
+    tc, algo = torus_comm(case, segment_bytes=segment_bytes)
+    tc.gpu_reduce = staging == "gpu"  # changes no message, so the cached communicators can be shared
+    return tc, algo
 
 
 def _bits(a: np.ndarray) -> bytes:
@@ -52,12 +61,13 @@ def to_host(d) -> np.ndarray:
     return d.view(_UINT[d.dtype.itemsize]).copy_to_host().view(d.dtype)
 
 
+@pytest.mark.parametrize("staging", STAGING)
 @pytest.mark.parametrize("mode", ["in", "out"])
 @pytest.mark.parametrize("dtype, op", [(BF16, "sum"), (np.dtype(np.float16), "avg"), (np.dtype(np.float32), "max"),
                                        (np.dtype(np.float32), "avg"), (np.dtype(np.int32), "sum")], ids=str)
 @pytest.mark.parametrize("case", CASES)
-def test_allreduce(case, dtype, op, mode, rng):
-    tc, algo = torus_comm(case, segment_bytes=SEGMENT)
+def test_allreduce(case, staging, dtype, op, mode, rng):
+    tc, algo = comm(case, staging)
     x = make(rng, dtype, op, COUNT)
     what = f"device allreduce({algo}, {op}, {dtype}, {mode})"
     host = tc.allreduce(x, op=op, algorithm=algo)
@@ -75,22 +85,24 @@ def test_allreduce(case, dtype, op, mode, rng):
     assert_same_on_all_ranks(got, what)
 
 
+@pytest.mark.parametrize("staging", STAGING)
 @pytest.mark.parametrize("count", [0, 1, max(SIZE - 1, 0), 1003])
 @pytest.mark.parametrize("case", ["ring", "native", "torus2d-2x2", "torus2d-2x3", "hierarchical-rpn2"])
-def test_allreduce_counts_and_allocation(case, count, rng):
+def test_allreduce_counts_and_allocation(case, staging, count, rng):
     """recvbuf=None allocates a device array; counts 0, 1 and fewer than the ranks; default segments."""
-    tc, algo = torus_comm(case)
+    tc, algo = comm(case, staging, None)
     x = make(rng, np.float32, "sum", count)
     out = tc.allreduce(to_device(x), algorithm=algo)
     assert torus.kernels.is_device(out) and out.shape == x.shape and out.dtype == x.dtype
     assert_matches(to_host(out), *expected(x, "sum"), f"device allreduce({algo}, count={count})")
 
 
+@pytest.mark.parametrize("staging", STAGING)
 @pytest.mark.parametrize("mode", ["in", "out"])
 @pytest.mark.parametrize("pattern", ["uneven", "zeros", "block7"])
 @pytest.mark.parametrize("case", CASES)
-def test_reduce_scatter(case, pattern, mode, rng):
-    tc, algo = torus_comm(case, segment_bytes=SEGMENT)
+def test_reduce_scatter(case, staging, pattern, mode, rng):
+    tc, algo = comm(case, staging)
     counts = PATTERNS[pattern]
     x = make(rng, np.float32, "avg", sum(counts))
     lo, hi = sum(counts[:WORLD.Get_rank()]), sum(counts[:WORLD.Get_rank() + 1])
@@ -112,11 +124,12 @@ def test_reduce_scatter(case, pattern, mode, rng):
     assert _bits(got) == _bits(host), f"{what}: device and host results differ in their bits"
 
 
+@pytest.mark.parametrize("staging", STAGING)
 @pytest.mark.parametrize("mode", ["in", "out"])
 @pytest.mark.parametrize("pattern", ["uneven", "zeros", "block7"])
 @pytest.mark.parametrize("case", CASES)
-def test_allgather(case, pattern, mode, rng):
-    tc, algo = torus_comm(case, segment_bytes=SEGMENT)
+def test_allgather(case, staging, pattern, mode, rng):
+    tc, algo = comm(case, staging)
     counts = PATTERNS[pattern]
     rank = WORLD.Get_rank()
     mine = make(rng, BF16, "max", counts[rank])
