@@ -5,7 +5,10 @@ Buffers are C-contiguous arrays of dtype float16, bfloat16, float32, float64, in
 arrays (host memory) or GPU arrays (``__cuda_array_interface__``: CuPy, numba, PyTorch CUDA tensors), sendbuf
 and recvbuf of the same kind. GPU buffers are copied to pinned host memory, reduced there and copied back; with
 ``gpu_reduce=True`` they stay on the GPU, are reduced there (Numba-CUDA kernels) and each message is staged
-through a pinned host mirror (``torus/algorithms/staged.py``). Either way the MPI need not be CUDA-aware. Counts are in elements. Every
+through a pinned host mirror (``torus/algorithms/staged.py``). Either way the MPI need not be CUDA-aware.
+One GPU per rank: the arrays must live on numba's current device (select it per rank before the first call,
+e.g. ``numba.cuda.select_device(local_rank)`` or ``CUDA_VISIBLE_DEVICES``); pinned staging memory grows to
+the largest buffer seen and is kept for the TorusComm's life. Counts are in elements. Every
 argument is checked on the calling rank before any message is sent; a bad one raises ``ValueError`` or
 ``TypeError`` naming the operation and the rank. With ``check=True`` (the default; ``TORUS_CHECK=0`` turns it
 off) each call first all-gathers a 64-byte signature (collective, op, dtype, count, algorithm, segment size,
