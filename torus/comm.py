@@ -2,8 +2,9 @@
 and native reduce-scatter, all-gather and all-reduce.
 
 Buffers are C-contiguous arrays of dtype float16, bfloat16, float32, float64, int32 or int64, either numpy
-arrays (host memory) or GPU arrays (``__cuda_array_interface__``: CuPy, numba, PyTorch CUDA tensors), sendbuf
-and recvbuf of the same kind. GPU buffers are copied to pinned host memory, reduced there and copied back; with
+arrays (host memory) or GPU arrays (CuPy arrays, numba device arrays: objects with ``__cuda_array_interface__``
+and numpy's ``dtype``/``size``/``shape``/``reshape``; wrap a PyTorch CUDA tensor with ``cupy.asarray``, no
+copy), sendbuf and recvbuf of the same kind. GPU buffers are copied to pinned host memory, reduced there and copied back; with
 ``gpu_reduce=True`` they stay on the GPU, are reduced there (Numba-CUDA kernels) and each message is staged
 through a pinned host mirror (``torus/algorithms/staged.py``). Either way the MPI need not be CUDA-aware.
 One GPU per rank: the arrays must live on numba's current device (select it per rank before the first call,

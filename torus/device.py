@@ -1,7 +1,8 @@
 """Device (GPU) arrays as TorusComm sees them: recognise, validate, view, allocate.
 
-Accepted: anything exposing ``__cuda_array_interface__`` (numba device arrays, CuPy arrays, PyTorch CUDA
-tensors, ...) and the CUDA simulator's arrays (``NUMBA_ENABLE_CUDASIM=1``, which carry only
+Accepted: arrays exposing ``__cuda_array_interface__`` with numpy's ``dtype``/``size``/``shape``/``reshape``
+(CuPy arrays, numba device arrays; a PyTorch CUDA tensor has other meanings for ``size`` and ``dtype``:
+wrap it with ``cupy.asarray`` first) and the CUDA simulator's arrays (``NUMBA_ENABLE_CUDASIM=1``, which carry only
 ``__cuda_ndarray__``). Internally every one is handled as a zero-copy numba device-array view, because the
 staged executor needs numba's ``copy_to_host``/``copy_to_device`` and ``torus.kernels`` dispatches those views
 to the Numba-CUDA kernels. numba is imported only when a device array is actually seen.
