@@ -6,11 +6,12 @@ The MPI here (the ``mpich`` wheel, and most MPIs unless built CUDA-aware) cannot
 pointers, so every message goes through a pinned host *mirror* of the working buffer, while the buffer math
 stays on the GPU (``torus.kernels`` dispatches device arrays to the Numba-CUDA kernels):
 
-- a send first copies, device to host, the parts of its region the mirror does not hold yet (``compile``
-  marks them per message: the regions reduced or scaled on the device since they were last staged), then
-  sends from the mirror;
-- a receive that reduces lands in pinned host scratch, is copied to device scratch and reduced into the
-  buffer there, segment by segment, so a later segment's transfer overlaps this one's copy and reduction;
+- a step's sends first copy, device to host, the parts of their regions the mirror does not hold yet
+  (``compile`` marks them per message: the regions reduced or scaled on the device since they were last
+  staged; adjacent ones go in one copy), then send from the mirror;
+- a receive that reduces lands in pinned host scratch; once the step's receives are in, the scratch goes to
+  the device in one copy and each message is reduced into the buffer by one kernel launch (not one per
+  segment: on an H200 a launch costs 100-250 us of Python, more than the transfer of a 1 MiB segment);
 - a receive that overwrites (the all-gather phase) lands in the mirror and is copied to the device.
 
 Correctness follows the host executor's: the mirror is written only where the host path would write the
@@ -54,6 +55,36 @@ def device_buffer(ex: Executor, name: str, count: int, dtype):
     return buf[:count]
 
 
+def _runs(ranges: list) -> list:
+    """``(lo, hi)`` ranges in order, each joined to the one before when they touch: one device copy each."""
+    out: list = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        elif hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+def _batches(recvs) -> list:
+    """A step's receives as device operations in receive order: ``(kind, lo, hi, tmp_lo, final)``, the
+    segments of one message (adjacent in the buffer and in scratch, same kind) joined, so a message costs
+    one kernel launch or one copy instead of one per segment. Two reductions into the same region stay two,
+    in order, as on the host."""
+    out: list = []
+    for m in recvs:
+        if m.hi == m.lo:
+            continue
+        kind = "reduce" if m.tmp_lo >= 0 else "copy"
+        if out:
+            k, lo, hi, tlo, final = out[-1]
+            if k == kind and hi == m.lo and final == m.final and (kind == "copy" or tlo + hi - lo == m.tmp_lo):
+                out[-1] = (k, lo, m.hi, tlo, final)
+                continue
+        out.append((kind, m.lo, m.hi, m.tmp_lo, m.final))
+    return out
+
+
 def run(ex: Executor, what: str, plan: CompiledPlan, buf, op: str, scale: float) -> None:
     """Execute ``plan`` on ``buf`` (a 1-D contiguous numba device array, modified in place), as
     ``Executor.run`` does on host memory; see the module docstring for the staging."""
@@ -83,20 +114,19 @@ def run(ex: Executor, what: str, plan: CompiledPlan, buf, op: str, scale: float)
             else:
                 target = mirror[m.lo * isz:m.hi * isz]
             pending.append(m.comm.Irecv([target, MPI.BYTE], m.peer, tag))
+        for lo, hi in _runs([r for m in step.sends for r in m.stage]):
+            raw[lo:hi].copy_to_host(mirror_el[lo:hi])
         for m in step.sends:
-            for lo, hi in m.stage:
-                raw[lo:hi].copy_to_host(mirror_el[lo:hi])
             data = mirror[m.lo * isz:m.hi * isz]
             inflight.append((m.until, si, m.comm.Isend([data, MPI.BYTE], m.peer, tag), m))
         for req, m in zip(pending, step.recvs):
             ex._wait(req, what, si, nsteps, m)
-            if m.hi == m.lo:
-                continue
-            if m.tmp_lo >= 0:
-                t = m.tmp_lo + m.hi - m.lo
-                bits(dtmp)[m.tmp_lo:t].copy_to_device(htmp_el[m.tmp_lo:t])
-                kernels.reduce_into(buf[m.lo:m.hi], dtmp[m.tmp_lo:t], op, scale if m.final else 1.0)
+        if step.scratch:
+            bits(dtmp)[:step.scratch].copy_to_device(htmp_el[:step.scratch])
+        for kind, lo, hi, tlo, final in _batches(step.recvs):
+            if kind == "reduce":
+                kernels.reduce_into(buf[lo:hi], dtmp[tlo:tlo + hi - lo], op, scale if final else 1.0)
             else:
-                raw[m.lo:m.hi].copy_to_device(mirror_el[m.lo:m.hi])
+                raw[lo:hi].copy_to_device(mirror_el[lo:hi])
     for _, sj, req, m in inflight:
         ex._wait(req, what, sj, nsteps, m)
