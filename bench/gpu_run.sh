@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Everything torus checks on a real GPU, in one command for a device machine (about 5 minutes on an H200):
-#   run(command="bash bench/gpu_run.sh", carry=[".whl"], timeout_s=480)   (SKIP_CHECK=1: without step 1)
+#   run(command="bash bench/gpu_run.sh", carry=[".whl"], timeout_s=480)   (STEPS=34: only steps 3 and 4)
 # The machine has no package index. Its image (2026-11) has numba-cuda 0.30.4 with numpy 2.5, which cannot
 # compile kernels (numba-cuda uses np.row_stack, gone in numpy 2.5), so .whl carries numpy 2.4.6 for its
 # Python 3.12 (the `pip download` line is in bench/README.md); its mpi4py is built on its Open MPI, which is
 # used as is. Builds torus._ext in place with the machine's compiler, then:
 #   1. bench/gpu_check.py          the CUDA kernels bit for bit against numpy and the host kernels, and their
 #                                  throughput against CuPy
-#   2. tests/test_cuda_kernels.py  the simulator's kernel tests, on the GPU (NUMBA_ENABLE_CUDASIM=0)
+#   2. tests/test_cuda_kernels.py, test_executor_staged.py: the simulator tests, on the GPU
 #   3. tests/mpi/test_device.py    collectives on GPU buffers, 2 ranks sharing the GPU
 #   4. bench/gpu_allreduce.py      staged GPU all-reduce vs host all-reduce vs MPI_Allreduce, 2 ranks
 # Output: $OUT/gpu_run.log (summary), $OUT/step{2,3}.log (full pytest output), $OUT/gpu_check.json,
@@ -33,17 +33,18 @@ step build torus._ext in place
 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; echo "build exit $?"
 python3 -c "import torus._ext._reduce; print('torus._ext imports')"
 step 1 gpu_check
-[ -n "${SKIP_CHECK:-}" ] && echo skipped || timeout 150 python3 bench/gpu_check.py --out "$OUT" 2>&1 | grep -v "NumbaPerformanceWarning\|warn(errors"; echo "exit ${PIPESTATUS[0]}"
+STEPS=${STEPS:-1234}
+[[ $STEPS == *1* ]] || echo skipped; [[ $STEPS == *1* ]] && timeout 150 python3 bench/gpu_check.py --out "$OUT" 2>&1 | grep -v "NumbaPerformanceWarning\|warn(errors"; echo "exit ${PIPESTATUS[0]}"
 step 2 kernel tests on the GPU
-NUMBA_ENABLE_CUDASIM=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py \
+[[ $STEPS == *2* ]] && NUMBA_ENABLE_CUDASIM=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_executor_staged.py \
   > "$OUT/step2.log" 2>&1; echo "exit $?"; tail -3 "$OUT/step2.log"
 step 3 device collectives, 2 ranks on one GPU
 export NUMBA_ENABLE_CUDASIM=0
-timeout 120 $MPIEXEC -n 1 python3 -m pytest -q -p no:cacheprovider tests/mpi/test_device.py \
+[[ $STEPS == *3* ]] && timeout 120 $MPIEXEC -n 1 python3 -m pytest -q -p no:cacheprovider tests/mpi/test_device.py \
   : -n 1 python3 -m pytest -p no:cacheprovider -p no:terminal tests/mpi/test_device.py > "$OUT/step3.log" 2>&1
 echo "exit $?"; grep -a "passed\|failed" "$OUT/step3.log" | tail -3
 unset NUMBA_ENABLE_CUDASIM
 step 4 staged GPU all-reduce timing, 2 ranks
-timeout 90 $MPIEXEC -n 2 python3 bench/gpu_allreduce.py 2>&1 | grep -v "NumbaPerformanceWarning\|warn(errors"
+[[ $STEPS == *4* ]] && timeout 90 $MPIEXEC -n 2 python3 bench/gpu_allreduce.py 2>&1 | grep -v "NumbaPerformanceWarning\|warn(errors"
 step done
 } 2>&1 | tee "$OUT/gpu_run.log"
