@@ -4,9 +4,10 @@ and native reduce-scatter, all-gather and all-reduce.
 Buffers are C-contiguous arrays of dtype float16, bfloat16, float32, float64, int32 or int64, either numpy
 arrays (host memory) or GPU arrays (CuPy arrays, numba device arrays: objects with ``__cuda_array_interface__``
 and numpy's ``dtype``/``size``/``shape``/``reshape``; wrap a PyTorch CUDA tensor with ``cupy.asarray``, no
-copy), sendbuf and recvbuf of the same kind. GPU buffers are copied to pinned host memory, reduced there and copied back; with
-``gpu_reduce=True`` they stay on the GPU, are reduced there (Numba-CUDA kernels) and each message is staged
-through a pinned host mirror (``torus/algorithms/staged.py``). Either way the MPI need not be CUDA-aware.
+copy), sendbuf and recvbuf of the same kind. From 16 MiB GPU buffers stay on the GPU and are reduced there (Numba-CUDA kernels), each
+message staged through a pinned host mirror (``torus/algorithms/staged.py``); smaller ones are copied to
+pinned host memory, reduced there and copied back (``gpu_reduce`` below). Either way the MPI need not be
+CUDA-aware.
 One GPU per rank: the arrays must live on numba's current device (select it per rank before the first call,
 e.g. ``numba.cuda.select_device(local_rank)`` or ``CUDA_VISIBLE_DEVICES``); pinned staging memory grows to
 the largest buffer seen and is kept for the TorusComm's life. Counts are in elements. Every
@@ -36,6 +37,10 @@ from torus.partition import displacements
 from torus.select import ALGORITHMS, choose
 
 _COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+# GPU buffers from this size (bytes) are reduced on the GPU by default: measured on an H200 with a host MPI,
+# per-segment staging plus GPU reduction ties whole-buffer host staging at 16 MiB and wins above (see
+# TorusComm's gpu_reduce).
+GPU_REDUCE_MIN_BYTES = 16 << 20
 _SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts",
               "argument error")
 _ERROR = len(_SIGNATURE) - 1  # the signature field that says "this rank rejected its own arguments"
@@ -96,13 +101,14 @@ class TorusComm:
     timeout : float or None
         Seconds a collective may wait without progress before raising ``torus.errors.TimeoutError``
         (default 600, ``TORUS_TIMEOUT``; 0 or None waits forever).
-    gpu_reduce : bool
-        GPU buffers only (default off, ``TORUS_GPU_REDUCE=1``). Off: the whole buffer is copied to pinned host
-        memory once, reduced there by the host schedule and kernels, and copied back. On: the buffer stays on
-        the GPU, every message is staged through a host mirror and reduced there by the Numba-CUDA kernels
-        (``torus/algorithms/staged.py``). Same results to the bit. Measured on an H200 with a host MPI
-        (bench/README.md): off is faster, because on pays a device copy and a kernel launch per segment; on is
-        the step towards a CUDA-aware MPI, where the mirror goes away. May differ between ranks.
+    gpu_reduce : bool or None
+        GPU buffers only. True: the buffer stays on the GPU, every message is staged through a pinned host
+        mirror and reduced on the GPU by the Numba-CUDA kernels (``torus/algorithms/staged.py``). False: the
+        whole buffer is copied to pinned host memory, reduced there by the host schedule and kernels, and
+        copied back. None (default; ``TORUS_GPU_REDUCE=1``/``0`` force it): True from ``GPU_REDUCE_MIN_BYTES``
+        (16 MiB) up. Same results to the bit either way, and the same messages, so ranks may differ. Measured
+        on an H200 with a host MPI, 2 ranks (bench/README.md): on GPU 0.48-0.52x MPI_Allreduce's time from
+        64 MiB against 0.63-0.68x off; level at 16 MiB; below, off wins (a kernel launch costs 100-250 us).
 
     Raises ``ValueError`` when ``dims`` does not multiply to the size. Collective: every rank of ``comm``
     must construct it together.
@@ -129,8 +135,9 @@ class TorusComm:
         self.rank, self.size, self.dims = rank, size, (X, Y)
         self.segment_bytes = seg
         self.check = (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check)
-        self.gpu_reduce = (os.environ.get("TORUS_GPU_REDUCE", "0") == "1") if gpu_reduce is None else bool(
-            gpu_reduce)
+        forced = os.environ.get("TORUS_GPU_REDUCE", "")
+        self.gpu_reduce = bool(gpu_reduce) if gpu_reduce is not None else (
+            None if forced not in ("0", "1") else forced == "1")
         # Row-major Cartesian grid: coords (y, x), rank = y * X + x; periodic in both directions.
         self.cart = self.comm.Create_cart([Y, X], periods=[True, True], reorder=False)
         y, x = self.cart.Get_coords(rank)
@@ -356,7 +363,7 @@ class TorusComm:
         if device.is_device(recvbuf):
             buf = device.view(recvbuf).reshape(-1)
             src = buf if sendbuf is None else device.view(sendbuf).reshape(-1)
-            if algo == "native" or not self.gpu_reduce:
+            if algo == "native" or not self._on_gpu(buf):
                 host = self._stage("stage", src)
                 if algo == "native":
                     native.allreduce(self.comm, host, op, scale)
@@ -380,6 +387,10 @@ class TorusComm:
         self._executor.run(f"{what}({algo})", self._plan(what, algo, count, dt.itemsize), buf, op, scale,
                            None if sendbuf is None else sendbuf.reshape(-1))
         return recvbuf
+
+    def _on_gpu(self, buf) -> bool:
+        """Reduce device array ``buf`` on the GPU (staged.run) rather than on the host (see ``gpu_reduce``)."""
+        return self.gpu_reduce if self.gpu_reduce is not None else buf.nbytes >= GPU_REDUCE_MIN_BYTES
 
     def _stage(self, name: str, src):
         """A pinned host copy of device array ``src`` (1-D), in memory reused across calls."""
@@ -433,7 +444,7 @@ class TorusComm:
             src = device.view(recvbuf if in_place else sendbuf).reshape(-1)
             out = device.view(recvbuf).reshape(-1)
             out = out[lo:hi] if in_place else out
-            if algo == "native" or not self.gpu_reduce:  # reduce on the host, in pinned memory
+            if algo == "native" or not self._on_gpu(src):  # reduce on the host, in pinned memory
                 host = self._stage("stage", src)
                 if algo == "native":
                     hout = staged.pinned(self._executor, "stage out", out.nbytes).view(dt)
@@ -500,7 +511,7 @@ class TorusComm:
         if device.is_device(recvbuf):
             buf = device.view(recvbuf).reshape(-1)
             own = buf[mine] if sendbuf is None else device.view(sendbuf).reshape(-1)
-            if algo == "native" or not self.gpu_reduce:  # gather in pinned host memory
+            if algo == "native" or not self._on_gpu(buf):  # gather in pinned host memory
                 host = staged.pinned(self._executor, "stage", buf.nbytes).view(dt)
                 device.copy(host[mine], own)
                 if algo == "native":

@@ -147,6 +147,23 @@ def test_allgather(case, staging, pattern, mode, rng):
     assert _bits(got) == _bits(want), f"device allgather({algo}, {pattern}, {mode}) on rank {rank}: wrong"
 
 
+@pytest.mark.parametrize("threshold, on_gpu", [(1 << 30, False), (64, True)])
+def test_by_default_large_buffers_are_reduced_on_the_gpu(monkeypatch, threshold, on_gpu, rng):
+    """gpu_reduce=None: the GPU path (staged.run) from GPU_REDUCE_MIN_BYTES up, the host path below; the
+    threshold is lowered here so that a simulated 37-element buffer (148 bytes) crosses it."""
+    tc, algo = comm("ring", "gpu")
+    tc.gpu_reduce = None
+    monkeypatch.setattr(torus.comm, "GPU_REDUCE_MIN_BYTES", threshold)
+    calls = []
+    real = torus.comm.staged.run
+    monkeypatch.setattr(torus.comm.staged, "run", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    x = make(rng, np.float32, "sum", COUNT)
+    d = to_device(x)
+    tc.allreduce(torus.IN_PLACE, d, algorithm=algo)
+    assert_matches(to_host(d), *expected(x, "sum"), "allreduce with gpu_reduce=None")
+    assert bool(calls) == on_gpu, f"reduced on the {'host' if on_gpu else 'GPU'}, expected the other"
+
+
 def test_host_and_device_buffers_mixed_raise_before_any_message():
     tc, _ = torus_comm("ring")
     x = np.ones(8, np.float32)

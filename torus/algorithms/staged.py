@@ -1,6 +1,6 @@
-"""Runs a compiled plan on a buffer in GPU memory, staging each message through host memory
-(``TorusComm(gpu_reduce=True)``; by default GPU buffers are instead copied to the host whole, reduced there
-and copied back, which measured faster with a host MPI: bench/README.md, "On a GPU").
+"""Runs a compiled plan on a buffer in GPU memory, staging each message through host memory (TorusComm
+uses it for GPU buffers from 16 MiB, or always with ``gpu_reduce=True``; smaller ones are copied to the host
+whole, reduced there and copied back, which measured faster below 16 MiB: bench/README.md, "On a GPU").
 
 The MPI here (the ``mpich`` wheel, and most MPIs unless built CUDA-aware) cannot read or write device
 pointers, so every message goes through a pinned host *mirror* of the working buffer, while the buffer math
@@ -20,7 +20,7 @@ bytes has passed its deadline, the step that wrote them). Out of place the calle
 buffer on the device first. Device copies and kernels run on the default stream and are waited for before
 the bytes go to MPI. Cost beyond the host path: one device-to-host copy of each region before it is first
 sent after a change, one host-to-device copy of every byte received, and a kernel launch per reduced
-segment (on an H200 with numba-cuda 0.30, 100-250 us of Python per launch below 16 MiB).
+message (on an H200 with numba-cuda 0.30, 100-250 us of Python per launch).
 
 Not done: CUDA-aware MPI (passing device pointers straight to MPI) and CUDA streams other than the default.
 """
