@@ -82,8 +82,9 @@ def main() -> int:
                          "host_s": t_host, "mpi_host_s": t_mpi,
                          "wrong": wrong, "ranks": comm.Get_size(), "arrays": "cupy" if cp is not None else "numba"})
     if rank == 0:
-        print("gpu: GPU buffers staged whole through the host (default); gpu_reduce: reduced on the GPU, "
-              "messages staged per segment; host: the same call on numpy buffers; MPI: MPI_Allreduce, numpy")
+        print("gpu: GPU buffers staged whole through the host (gpu_reduce=False); gpu_reduce: reduced on the "
+              "GPU, messages staged (gpu_reduce=True); host: the same call on numpy buffers; MPI: MPI_Allreduce "
+              "on numpy buffers. The default (gpu_reduce=None) is gpu_reduce from 16 MiB, gpu below")
         print(f"{'MiB':>6s} {'algorithm':>10s} {'gpu ms':>9s} {'gpu_reduce':>11s} {'host ms':>9s} "
               f"{'MPI ms':>9s} {'gpu/host':>9s} {'gpu/MPI':>8s} {'gpu_reduce/MPI':>15s} {'#wrong':>7s}")
         for r in rows:
