@@ -24,27 +24,40 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD
-python3 -c "import numba, numba_cuda, numpy, ml_dtypes; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'numpy', numpy.__version__)"
+python3 -c "import numba, numba_cuda, numpy; print('numba', numba.__version__, 'numba-cuda',
+  numba_cuda.__version__, 'numpy', numpy.__version__)"
 python3 -c "import cupy; print('cupy', cupy.__version__)"
-python3 -c "import mpi4py; from mpi4py import MPI; print('mpi4py', mpi4py.__version__, MPI.Get_library_version().splitlines()[0])"
+python3 -c "import mpi4py; from mpi4py import MPI; print('mpi4py', mpi4py.__version__,
+  MPI.Get_library_version().splitlines()[0])"
 MPIEXEC="mpiexec"
-mpiexec --version 2>&1 | grep -q "Open MPI" && MPIEXEC="mpiexec --oversubscribe -x PYTHONPATH -x NUMBA_ENABLE_CUDASIM -x OMP_NUM_THREADS"
+if mpiexec --version 2>&1 | grep -q "Open MPI"; then
+  MPIEXEC="mpiexec --oversubscribe -x PYTHONPATH -x NUMBA_ENABLE_CUDASIM -x OMP_NUM_THREADS"
+fi
+quiet() { grep -v "NumbaPerformanceWarning\|warn(errors"; }
+STEPS=${STEPS:-1234}
 step build torus._ext in place
 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; echo "build exit $?"
 python3 -c "import torus._ext._reduce; print('torus._ext imports')"
-step 1 gpu_check
-STEPS=${STEPS:-1234}
-[[ $STEPS == *1* ]] || echo skipped; [[ $STEPS == *1* ]] && timeout 150 python3 bench/gpu_check.py --out "$OUT" 2>&1 | grep -v "NumbaPerformanceWarning\|warn(errors"; echo "exit ${PIPESTATUS[0]}"
-step 2 kernel tests on the GPU
-[[ $STEPS == *2* ]] && NUMBA_ENABLE_CUDASIM=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_executor_staged.py \
-  > "$OUT/step2.log" 2>&1; echo "exit $?"; tail -3 "$OUT/step2.log"
-step 3 device collectives, 2 ranks on one GPU
-export NUMBA_ENABLE_CUDASIM=0
-[[ $STEPS == *3* ]] && timeout 120 $MPIEXEC -n 1 python3 -m pytest -q -p no:cacheprovider tests/mpi/test_device.py \
-  : -n 1 python3 -m pytest -p no:cacheprovider -p no:terminal tests/mpi/test_device.py > "$OUT/step3.log" 2>&1
-echo "exit $?"; grep -a "passed\|failed" "$OUT/step3.log" | tail -3
-unset NUMBA_ENABLE_CUDASIM
-step 4 staged GPU all-reduce timing, 2 ranks
-[[ $STEPS == *4* ]] && timeout 90 $MPIEXEC -n 2 python3 bench/gpu_allreduce.py 2>&1 | grep -v "NumbaPerformanceWarning\|warn(errors"
+if [[ $STEPS == *1* ]]; then
+  step 1 gpu_check
+  timeout 150 python3 bench/gpu_check.py --out "$OUT" 2>&1 | quiet; echo "exit ${PIPESTATUS[0]}"
+fi
+if [[ $STEPS == *2* ]]; then
+  step 2 kernel tests on the GPU
+  NUMBA_ENABLE_CUDASIM=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py \
+    tests/test_executor_staged.py > "$OUT/step2.log" 2>&1
+  echo "exit $?"; tail -3 "$OUT/step2.log"
+fi
+if [[ $STEPS == *3* ]]; then
+  step 3 device collectives, 2 ranks on one GPU
+  NUMBA_ENABLE_CUDASIM=0 timeout 120 $MPIEXEC -n 1 python3 -m pytest -q -p no:cacheprovider \
+    tests/mpi/test_device.py : -n 1 python3 -m pytest -p no:cacheprovider -p no:terminal \
+    tests/mpi/test_device.py > "$OUT/step3.log" 2>&1
+  echo "exit $?"; grep -a "passed\|failed" "$OUT/step3.log" | tail -3
+fi
+if [[ $STEPS == *4* ]]; then
+  step 4 staged GPU all-reduce timing, 2 ranks
+  timeout 90 $MPIEXEC -n 2 python3 bench/gpu_allreduce.py 2>&1 | quiet
+fi
 step done
 } 2>&1 | tee "$OUT/gpu_run.log"

@@ -4,14 +4,13 @@ and native reduce-scatter, all-gather and all-reduce.
 Buffers are C-contiguous arrays of dtype float16, bfloat16, float32, float64, int32 or int64, either numpy
 arrays (host memory) or GPU arrays (CuPy arrays, numba device arrays: objects with ``__cuda_array_interface__``
 and numpy's ``dtype``/``size``/``shape``/``reshape``; wrap a PyTorch CUDA tensor with ``cupy.asarray``, no
-copy), sendbuf and recvbuf of the same kind. From 16 MiB GPU buffers stay on the GPU and are reduced there (Numba-CUDA kernels), each
-message staged through a pinned host mirror (``torus/algorithms/staged.py``); smaller ones are copied to
-pinned host memory, reduced there and copied back (``gpu_reduce`` below). Either way the MPI need not be
-CUDA-aware.
-One GPU per rank: the arrays must live on numba's current device (select it per rank before the first call,
-e.g. ``numba.cuda.select_device(local_rank)`` or ``CUDA_VISIBLE_DEVICES``); pinned staging memory grows to
-the largest buffer seen and is kept for the TorusComm's life. Counts are in elements. Every
-argument is checked on the calling rank before any message is sent; a bad one raises ``ValueError`` or
+copy), sendbuf and recvbuf of the same kind. From 16 MiB GPU buffers stay on the GPU and are reduced there
+(Numba-CUDA kernels), each message staged through a pinned host mirror (``torus/algorithms/staged.py``);
+smaller ones are copied to pinned host memory, reduced there and copied back (``gpu_reduce`` below). Either way
+the MPI need not be CUDA-aware. One GPU per rank: the arrays must live on numba's current device (select it per
+rank before the first call, e.g. ``numba.cuda.select_device(local_rank)`` or ``CUDA_VISIBLE_DEVICES``); pinned
+staging memory grows to the largest buffer seen and is kept for the TorusComm's life. Counts are in elements.
+Every argument is checked on the calling rank before any message is sent; a bad one raises ``ValueError`` or
 ``TypeError`` naming the operation and the rank. With ``check=True`` (the default; ``TORUS_CHECK=0`` turns it
 off) each call first all-gathers a 64-byte signature (collective, op, dtype, count, algorithm, segment size,
 grid), so ranks that disagree all raise ``torus.errors.MismatchError`` instead of hanging or summing garbage:

@@ -9,8 +9,8 @@ time) and from 1 MiB in place (0.9x); at 4 oversubscribed ranks from 1 MiB out o
 and, in place, from 4 MiB (at 1 MiB in place torus2d measured 1.02-1.03x over 200 interleaved iterations:
 within what the table's granularity is worth). The 2D torus is the
 choice above 2 ranks (at scale it takes 2(X-1)+2(Y-1) steps against the ring's 2(N-1)), except at 3-4 ranks
-between 16 and 128 MiB, where the ring measured faster here (see the rows). Rerun the sweep on your cluster and set ``TORUS_ALGO``
-(or pass ``algorithm=``) to override the table.
+between 16 and 128 MiB, where the ring measured faster here (see the rows). Rerun the sweep on your cluster and
+set ``TORUS_ALGO`` (or pass ``algorithm=``) to override the table.
 """
 from __future__ import annotations
 

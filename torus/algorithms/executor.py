@@ -149,12 +149,13 @@ class Executor:
         self.timeout = timeout
         self._buffers: dict = {}
 
-    def buffer(self, name: str, nbytes: int) -> np.ndarray:
-        """Named bytes reused across calls, growing only, so steady-state calls allocate nothing (and
-        pay no first-touch page faults)."""
+    def buffer(self, name, nbytes: int, alloc=None):
+        """Named bytes (a 1-D uint8 array of ``nbytes``) reused across calls, growing only, so steady-state
+        calls allocate nothing (and pay no first-touch page faults). ``alloc(nbytes)`` makes a new one
+        (default ``np.empty``; staged.py passes pinned host and device allocators under names of its own)."""
         buf = self._buffers.get(name)
         if buf is None or buf.nbytes < nbytes:
-            buf = self._buffers[name] = np.empty(nbytes, np.uint8)
+            buf = self._buffers[name] = (alloc or (lambda n: np.empty(n, np.uint8)))(max(nbytes, 1))
         return buf[:nbytes]
 
     def compile(self, plan, itemsize: int, count: int | None = None) -> CompiledPlan:

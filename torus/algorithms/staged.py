@@ -38,21 +38,15 @@ def pinned(ex: Executor, name: str, nbytes: int) -> np.ndarray:
     """Page-locked host bytes reused across calls (growing only): device copies from and to them run at
     full speed and need no bounce buffer in the driver."""
     from numba import cuda
-    key = ("pinned", name)
-    buf = ex._buffers.get(key)
-    if buf is None or buf.nbytes < nbytes:
-        buf = ex._buffers[key] = cuda.pinned_array(max(nbytes, 1), np.uint8)
-    return buf[:nbytes]
+    return ex.buffer(("pinned", name), nbytes, lambda n: cuda.pinned_array(n, np.uint8))
 
 
 def device_buffer(ex: Executor, name: str, count: int, dtype):
     """Device memory of ``count`` elements of ``dtype`` reused across calls (growing only)."""
     from numba import cuda
-    key = ("device", name, np.dtype(dtype).str)
-    buf = ex._buffers.get(key)
-    if buf is None or buf.size < count:
-        buf = ex._buffers[key] = cuda.device_array(max(count, 1), dtype)
-    return buf[:count]
+    isz = np.dtype(dtype).itemsize
+    raw = ex.buffer(("device", name, isz), count * isz, lambda n: cuda.device_array(n, np.uint8))
+    return raw.view(dtype)
 
 
 def _runs(ranges: list) -> list:
