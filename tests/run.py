@@ -6,7 +6,14 @@ Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--skip-single] [pytest args...
 Rank 0 prints pytest's report; other ranks print only failures (tests/conftest.py aborts the whole job on
 any failing rank, so nothing deadlocks). Each mpiexec run has a wall-clock limit. The last line is the
 total, 'N passed, N failed', and the exit status is non-zero if anything failed or timed out. pytest's exit
-5 (nothing collected) counts as an empty pass.
+5 (nothing collected) counts as an empty pass. Before it come the names of the failed tests, from each suite's
+JUnit report, so the tail of the log says what failed.
+
+A suite whose process is killed by a signal (SIGSEGV, SIGBUS: a crash, not a failed assertion, which exits 1)
+is run once more, whole, and the last line says so ('1 suite rerun after a crash'); it counts as failed if it
+crashes or fails again. Why: once in about ten full runs TensorFlow 2.21 crashed inside ``model.evaluate``
+(creating a tf.data iterator, tests/mpi/test_keras_strategy.py) and we could not reproduce it in 30 runs of
+that module; the rerun keeps one such crash from failing CI while the log keeps its trace.
 """
 from __future__ import annotations
 
@@ -35,6 +42,22 @@ def _counts(xml_path: Path) -> tuple[int, int, int]:
     return tests - bad - skipped, bad, skipped
 
 
+CRASH = {-11: "SIGSEGV", 11: "SIGSEGV", 139: "SIGSEGV", -7: "SIGBUS", 7: "SIGBUS", 135: "SIGBUS"}
+
+
+def _failures(xml_path: Path) -> list[str]:
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    out = []
+    for case in root.iter("testcase"):
+        for bad in list(case.findall("failure")) + list(case.findall("error")):
+            msg = (bad.get("message") or "").splitlines()[:1]
+            out.append(f"{case.get('classname')}::{case.get('name')}: {msg[0][:160] if msg else ''}")
+    return out
+
+
 def _run(cmd, timeout: int, env) -> int:
     print("+", " ".join(cmd), flush=True)
     try:
@@ -56,32 +79,46 @@ def main() -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                TF_CPP_MIN_LOG_LEVEL="2")
     tmp = Path(tempfile.mkdtemp(prefix="torus-tests-"))
-    passed = failed = skipped = 0
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    failures: list[str] = []
+    reruns: list[str] = []
     status = 0
     common = ["-p", "no:cacheprovider", *args.pytest_args]
+
+    def suite(name: str, cmd: list, xml: Path, retry: bool = True) -> None:
+        nonlocal status
+        rc = _run(cmd, args.timeout, env)
+        if rc in CRASH and retry:
+            reruns.append(f"{name} ({CRASH[rc]})")
+            print(f"{name}: killed by {CRASH[rc]}; running it once more", flush=True)
+            return suite(name, cmd, xml, retry=False)
+        p, f, s = _counts(xml)
+        failures.extend(f"{name}: {line}" for line in _failures(xml))
+        if rc not in (0, 5):
+            print(f"{name}: exit status {rc}", flush=True)
+            status, f = 1, f or 1
+            if not _failures(xml):
+                failures.append(f"{name}: exit status {rc} {CRASH.get(rc, '')} (see the log above)".rstrip())
+        totals["passed"] += p
+        totals["failed"] += f
+        totals["skipped"] += s
+
     t0 = time.time()
     if not args.skip_single:
         xml = tmp / "single.xml"
-        rc = _run([py, "-m", "pytest", "tests", "--ignore=tests/mpi", f"--junitxml={xml}", *common],
-                  args.timeout, env)
-        p, f, s = _counts(xml)
-        passed, failed, skipped = passed + p, failed + f, skipped + s
-        if rc not in (0, 5):
-            status, failed = 1, failed or 1
+        suite("tests", [py, "-m", "pytest", "tests", "--ignore=tests/mpi", f"--junitxml={xml}", *common], xml)
     for k in [int(r) for r in args.ranks.split(",") if r]:
         xml = tmp / f"mpi{k}.xml"
         base = [py, "-m", "pytest", "tests/mpi", "-o", "timeout_method=thread", *common]
         cmd = [mpiexec, "-n", "1", *base, f"--junitxml={xml}"]
         if k > 1:
             cmd += [":", "-n", str(k - 1), *base, "-p", "no:terminal"]
-        rc = _run(cmd, args.timeout, env)
-        p, f, s = _counts(xml)
-        passed, failed, skipped = passed + p, failed + f, skipped + s
-        if rc not in (0, 5):
-            print(f"mpiexec -n {k}: exit status {rc}", flush=True)
-            status, failed = 1, failed or 1
+        suite(f"mpiexec -n {k}", cmd, xml)
+    for line in failures:
+        print("FAILED", line)
     print(f"all suites took {time.time() - t0:.0f} s")
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    rerun = f", {len(reruns)} suite(s) rerun after a crash: {'; '.join(reruns)}" if reruns else ""
+    print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped{rerun}")
     return status
 
 
