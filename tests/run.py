@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Runs every suite: tests/ in one process, then tests/mpi/ under ``mpiexec -n K`` for each K.
 
-Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--skip-single] [pytest args...]
+Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--skip-single] [-- pytest args...]
 
 Rank 0 prints pytest's report; other ranks print only failures (tests/conftest.py aborts the whole job on
 any failing rank, so nothing deadlocks). Each mpiexec run has a wall-clock limit. The last line is the
@@ -10,10 +10,11 @@ total, 'N passed, N failed', and the exit status is non-zero if anything failed 
 JUnit report, so the tail of the log says what failed.
 
 A suite whose process is killed by a signal (SIGSEGV, SIGBUS: a crash, not a failed assertion, which exits 1)
-is run once more, whole, and the last line says so ('1 suite rerun after a crash'); it counts as failed if it
-crashes or fails again. Why: once in about ten full runs TensorFlow 2.21 crashed inside ``model.evaluate``
-(creating a tf.data iterator, tests/mpi/test_keras_strategy.py) and we could not reproduce it in 30 runs of
-that module; the rerun keeps one such crash from failing CI while the log keeps its trace.
+is run once more, whole, and the last line says so ('1 suite(s) rerun after a crash'); it counts as failed if
+it crashes or fails again. Why: one CI run (of about fifteen full runs so far) died on a segfault inside
+TensorFlow 2.21's ``model.evaluate`` (creating a tf.data iterator, tests/mpi/test_keras_strategy.py); 18
+further runs of that module after the GPU-buffer tests, at 1, 2 and 3 ranks, did not reproduce it. The rerun
+keeps one such crash from failing CI; the log keeps its trace.
 """
 from __future__ import annotations
 

@@ -109,6 +109,12 @@ class TorusComm:
         on an H200 with a host MPI, 2 ranks (bench/README.md): on GPU 0.48-0.52x MPI_Allreduce's time from
         64 MiB against 0.63-0.68x off; level at 16 MiB; below, off wins (a kernel launch costs 100-250 us).
 
+    Memory: calls keep their working buffers for the next call (training repeats the same sizes, and a
+    fresh allocation would cost page faults every step), growing only: the incoming data of one step
+    (all-reduce: ``count / size`` elements for the ring, ``count / X`` for the 2D torus, or ``count / Y``
+    when ``X`` is 1), a full-size working copy for reduce-scatter, pinned host and device mirrors for GPU
+    buffers. :meth:`free_buffers` releases them.
+
     Raises ``ValueError`` when ``dims`` does not multiply to the size. Collective: every rank of ``comm``
     must construct it together.
     """
@@ -386,6 +392,11 @@ class TorusComm:
         self._executor.run(f"{what}({algo})", self._plan(what, algo, count, dt.itemsize), buf, op, scale,
                            None if sendbuf is None else sendbuf.reshape(-1))
         return recvbuf
+
+    def free_buffers(self) -> None:
+        """Release the working buffers kept between calls (see the class docstring); the next call allocates
+        what it needs again. Local: ranks need not call it together."""
+        self._executor.free()
 
     def _on_gpu(self, buf) -> bool:
         """Reduce device array ``buf`` on the GPU (staged.run) rather than on the host (see ``gpu_reduce``)."""

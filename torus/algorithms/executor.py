@@ -158,6 +158,10 @@ class Executor:
             buf = self._buffers[name] = (alloc or (lambda n: np.empty(n, np.uint8)))(max(nbytes, 1))
         return buf[:nbytes]
 
+    def free(self) -> None:
+        """Drop every buffer of :meth:`buffer` (their memory goes once no caller holds a view of it)."""
+        self._buffers.clear()
+
     def compile(self, plan, itemsize: int, count: int | None = None) -> CompiledPlan:
         """Cut every message of ``plan`` into segments of at most ``segment_bytes``; ``count`` (elements of
         the working buffer, default: the plan's extent) bounds the regions an out-of-place run copies at the
