@@ -82,3 +82,9 @@ def test_a_send_is_waited_for_before_its_region_is_next_written(seed):
         for m in st.sends:
             hits = [t for t in range(si + 1, len(plan.steps)) if written[t][m.lo:m.hi].any()]
             assert m.until == (hits[0] if hits else len(plan.steps)), (si, m.lo, m.hi, m.until, hits)
+    # run() waits for exactly these: each send once, at its deadline step (or at the end)
+    waits = [(sid, t) for t, st in enumerate(plan.steps) for sid in st.retire]
+    waits += [(sid, len(plan.steps)) for sid in plan.tail]
+    sends = [m for st in plan.steps for m in st.sends]
+    assert sorted(waits) == [(m.sid, m.until) for m in sends] == [(k, m.until) for k, m in enumerate(sends)]
+    assert [m for _, m in plan.sends] == sends

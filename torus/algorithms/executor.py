@@ -42,6 +42,7 @@ class _Message:
     fresh: bool = False  # out of place: the region is untouched so far, so read it from src
     until: int = 0  # a send: the step that next writes its region, so the send must complete before it
     stage: tuple = ()  # a send from device memory: (lo, hi) ranges to copy to the host mirror first
+    sid: int = -1  # a send: its index among all sends of the plan (run's table of requests)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class _Step:
     scratch: int  # elements of scratch the reducing receives need
     scale: tuple | None  # (lo, hi) to scale when no reduce completed the owner's region
     prefill: tuple = ()  # out of place: (lo, hi) regions to copy from src before this step
+    retire: tuple = ()  # sends (``sid``) whose deadline is this step: wait for them before it starts
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class CompiledPlan:
     itemsize: int
     scratch: int
     untouched: tuple = ()  # out of place: (lo, hi) regions no step writes, copied from src at the end
+    sends: tuple = ()  # every send, by ``sid``: (step, message), for the requests' table and error messages
+    tail: tuple = ()  # sends no step waits for: waited for at the end
 
 
 class _Touched:
@@ -114,9 +118,11 @@ def _fresh(touched: _Touched, lo: int, hi: int, prefill: list) -> bool:
     return False
 
 
-def _deadlines(steps: list) -> list:
-    """Set each send's ``until``: the first later step that writes (receives into, reduces into or scales)
-    any element the send reads from buf, or ``len(steps)``. Reading the same region again is no conflict."""
+def _deadlines(steps: list) -> tuple:
+    """Set each send's ``until`` (the first later step that writes, i.e. receives into, reduces into or
+    scales, any element the send reads from buf, or ``len(steps)``; reading the same region again is no
+    conflict) and its ``sid``, and give each step the sends to wait for before it (``retire``).
+    Returns (steps, every send as (step, message), the sends left for the end)."""
     writes = []
     for st in steps:
         spans = [(m.lo, m.hi) for m in st.recvs if m.hi > m.lo]
@@ -124,7 +130,8 @@ def _deadlines(steps: list) -> list:
             spans.append(st.scale)
         box = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
         writes.append((box, spans))
-    out = []
+    out, every = [], []
+    retire: list = [[] for _ in range(len(steps) + 1)]
     for si, st in enumerate(steps):
         sends = []
         for m in st.sends:
@@ -134,9 +141,13 @@ def _deadlines(steps: list) -> list:
                 if blo < m.hi and m.lo < bhi and any(a < m.hi and m.lo < b for a, b in spans):
                     until = t
                     break
-            sends.append(replace(m, until=until))
+            m = replace(m, until=until, sid=len(every))
+            retire[until].append(m.sid)
+            every.append((si, m))
+            sends.append(m)
         out.append(replace(st, sends=tuple(sends)))
-    return out
+    out = [replace(st, retire=tuple(retire[si])) for si, st in enumerate(out)]
+    return out, tuple(every), tuple(retire[len(steps)])
 
 
 class Executor:
@@ -203,8 +214,9 @@ class Executor:
                     extent = max(extent, o + c)
             steps.append(_Step(tuple(recvs), tuple(sends), t, None, tuple(prefill)))
         untouched = tuple(touched.gaps(0, extent if count is None else count))
-        steps = _deadlines(steps)
-        return CompiledPlan(tuple(steps), itemsize, max((s.scratch for s in steps), default=0), untouched)
+        steps, every, tail = _deadlines(steps)
+        return CompiledPlan(tuple(steps), itemsize, max((s.scratch for s in steps), default=0), untouched,
+                            every, tail)
 
     def _wait(self, req, what: str, step: int, nsteps: int, msg: _Message) -> None:
         faults.wait(req, self.timeout, lambda: (
@@ -212,12 +224,13 @@ class Executor:
             f"waiting on rank {msg.peer} of the {msg.name} communicator (a peer died, stalled or called a "
             "different collective); the communicator is unusable now, abort the job"))
 
-    def retire(self, inflight: list, si: int, what: str, nsteps: int) -> list:
-        """Wait for the sends whose deadline is step ``si`` or earlier; return the others."""
-        for f in inflight:
-            if f[0] <= si:
-                self._wait(f[2], what, f[1], nsteps, f[3])
-        return [f for f in inflight if f[0] > si]
+    def wait_sends(self, reqs: list, sids: tuple, plan: CompiledPlan, what: str) -> None:
+        """Wait for the sends ``sids`` (indices into ``reqs``, the requests by ``sid``)."""
+        for g in sids:
+            req = reqs[g]
+            if not req.Test():  # most have long completed: skip the timeout bookkeeping then
+                si, m = plan.sends[g]
+                self._wait(req, what, si, len(plan.steps), m)
 
     def run(self, what: str, plan: CompiledPlan, buf: np.ndarray, op: str, scale: float, src=None,
             keep: tuple | None = None) -> None:
@@ -232,10 +245,10 @@ class Executor:
         tmp = self.buffer("scratch", plan.scratch * isz).view(buf.dtype) if plan.scratch else None
         rtmp = tmp.view(np.uint8) if tmp is not None else None
         nsteps = len(plan.steps)
-        inflight: list = []  # sends not yet waited for: (until, step, request, message)
+        reqs: list = [None] * len(plan.sends)  # send requests by sid, waited for at their deadline step
         for si, step in enumerate(plan.steps):
-            if inflight and min(f[0] for f in inflight) <= si:
-                inflight = self.retire(inflight, si, what, nsteps)
+            if step.retire:
+                self.wait_sends(reqs, step.retire, plan, what)
             if src is not None:
                 for lo, hi in step.prefill:
                     np.copyto(buf[lo:hi], src[lo:hi])
@@ -255,7 +268,7 @@ class Executor:
                 pending.append(m.comm.Irecv([target, MPI.BYTE], m.peer, tag))
             for m in step.sends:
                 data = (rsrc if m.fresh and src is not None else raw)[m.lo * isz:m.hi * isz]
-                inflight.append((m.until, si, m.comm.Isend([data, MPI.BYTE], m.peer, tag), m))
+                reqs[m.sid] = m.comm.Isend([data, MPI.BYTE], m.peer, tag)
             for req, m in zip(pending, step.recvs):
                 self._wait(req, what, si, nsteps, m)
                 if m.tmp_lo >= 0:
@@ -265,8 +278,7 @@ class Executor:
                         kernels.reduce_into(src[m.lo:m.hi], received, op, s, buf[m.lo:m.hi])
                     else:
                         kernels.reduce_into(buf[m.lo:m.hi], received, op, s)
-        for _, sj, req, m in inflight:
-            self._wait(req, what, sj, nsteps, m)
+        self.wait_sends(reqs, plan.tail, plan, what)
         if src is not None:
             for lo, hi in plan.untouched:
                 if keep is not None:

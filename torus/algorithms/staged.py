@@ -91,10 +91,10 @@ def run(ex: Executor, what: str, plan: CompiledPlan, buf, op: str, scale: float)
     raw = bits(buf)
     dtmp = device_buffer(ex, "scratch", plan.scratch, buf.dtype) if plan.scratch else None
     nsteps = len(plan.steps)
-    inflight: list = []  # sends not yet waited for: (until, step, request, message)
+    reqs: list = [None] * len(plan.sends)  # send requests by sid, waited for at their deadline step
     for si, step in enumerate(plan.steps):
-        if inflight and min(f[0] for f in inflight) <= si:
-            inflight = ex.retire(inflight, si, what, nsteps)
+        if step.retire:
+            ex.wait_sends(reqs, step.retire, plan, what)
         if step.scale is not None:
             lo, hi = step.scale
             if scale != 1.0 and hi > lo:
@@ -112,7 +112,7 @@ def run(ex: Executor, what: str, plan: CompiledPlan, buf, op: str, scale: float)
             raw[lo:hi].copy_to_host(mirror_el[lo:hi])
         for m in step.sends:
             data = mirror[m.lo * isz:m.hi * isz]
-            inflight.append((m.until, si, m.comm.Isend([data, MPI.BYTE], m.peer, tag), m))
+            reqs[m.sid] = m.comm.Isend([data, MPI.BYTE], m.peer, tag)
         for req, m in zip(pending, step.recvs):
             ex._wait(req, what, si, nsteps, m)
         if step.scratch:
@@ -122,5 +122,4 @@ def run(ex: Executor, what: str, plan: CompiledPlan, buf, op: str, scale: float)
                 kernels.reduce_into(buf[lo:hi], dtmp[tlo:tlo + hi - lo], op, scale if final else 1.0)
             else:
                 raw[lo:hi].copy_to_device(mirror_el[lo:hi])
-    for _, sj, req, m in inflight:
-        ex._wait(req, what, sj, nsteps, m)
+    ex.wait_sends(reqs, plan.tail, plan, what)
