@@ -27,5 +27,38 @@ def kernel(name):
     )
 
 
-setup(ext_modules=cythonize([kernel("_reduce"), kernel("_convert")],
+def _mpi_dirs():
+    """(include dir, library dir) of the ``mpich`` wheel's MPI, or None: in an isolated build it is a build
+    requirement (pyproject.toml), so it lies in the build environment, not in sys.prefix."""
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+        dist = distribution("mpich")
+    except (ImportError, PackageNotFoundError):
+        return None
+    found = {}
+    for f in dist.files or ():
+        name = str(f).replace("\\", "/")
+        if name.endswith("include/mpi.h"):
+            found["inc"] = str(dist.locate_file(f).resolve().parent)
+        elif name.endswith("/libmpi.so") or name == "libmpi.so":
+            found["lib"] = str(dist.locate_file(f).resolve().parent)
+    return (found["inc"], found["lib"]) if len(found) == 2 else None
+
+
+def sched():
+    """torus._ext._sched, the C step loop (src/_sched.pyx), when MPI's headers are at hand (else the
+    Python loop runs; TORUS_NO_C_LOOP=1 skips it). Linked without an rpath: mpi4py has loaded libmpi.so.12
+    by the time torus imports it (torus/algorithms/cloop.py)."""
+    dirs = None if os.environ.get("TORUS_NO_C_LOOP") == "1" or sys.platform != "linux" else _mpi_dirs()
+    if dirs is None:
+        print("torus: MPI headers not found; building without the C step loop", file=sys.stderr)
+        return []
+    ext = kernel("_sched")
+    ext.include_dirs.append(dirs[0])
+    ext.library_dirs.append(dirs[1])
+    ext.libraries.append("mpi")
+    return [ext]
+
+
+setup(ext_modules=cythonize([kernel("_reduce"), kernel("_convert"), *sched()],
                             compiler_directives={"language_level": "3"}))

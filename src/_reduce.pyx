@@ -11,6 +11,7 @@ threads.
 """
 cimport numpy as cnp
 from cython.parallel cimport prange
+from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport int32_t, int64_t, uint16_t
 
 import ml_dtypes
@@ -112,8 +113,8 @@ def reduce(cnp.ndarray acc not None, cnp.ndarray src not None, int op, double sc
     C-contiguous arrays of equal size and dtype; the written one writeable; ``out`` either is ``acc`` or
     overlaps neither operand. op: 0 sum, 1 prod, 2 min, 3 max. Raises TypeError for another dtype and
     ValueError for arrays that do not fit; these checks read only the array headers (tens of nanoseconds)."""
-    cdef Py_ssize_t n = cnp.PyArray_SIZE(acc), b, lo, hi, block, item, nbytes
-    cdef int kind = _kind(acc), t
+    cdef Py_ssize_t n = cnp.PyArray_SIZE(acc), item, nbytes
+    cdef int kind = _kind(acc)
     cdef char* o
     cdef const char* a
     cdef const char* s
@@ -137,14 +138,31 @@ def reduce(cnp.ndarray acc not None, cnp.ndarray src not None, int op, double sc
     nbytes = n * item
     if o != a and (_overlap(o, a, nbytes) or _overlap(o, s, nbytes)):
         raise ValueError("torus reduce kernel: out overlaps an operand without being acc")
-    t = _threads(n, nthreads)
     with nogil:
-        if t == 1:
-            _loop(kind, o, a, s, n, op, scale)
-        else:
-            block = (n + t - 1) // t
-            for b in prange(t, num_threads=t, schedule='static'):
-                lo = b * block
-                hi = lo + block if lo + block < n else n
-                if hi > lo:
-                    _loop(kind, o + lo * item, a + lo * item, s + lo * item, hi - lo, op, scale)
+        _reduce_raw(kind, o, a, s, n, item, op, scale, nthreads)
+
+
+cdef void _reduce_raw(int kind, char* o, const char* a, const char* s, Py_ssize_t n, Py_ssize_t item, int op,
+                      double scale, int nthreads) noexcept nogil:
+    """``reduce`` on raw pointers, checks done: split over up to ``nthreads`` OpenMP threads."""
+    cdef Py_ssize_t b, lo, hi, block
+    cdef int t = _threads(n, nthreads)
+    if t == 1:
+        _loop(kind, o, a, s, n, op, scale)
+    else:
+        block = (n + t - 1) // t
+        for b in prange(t, num_threads=t, schedule='static'):
+            lo = b * block
+            hi = lo + block if lo + block < n else n
+            if hi > lo:
+                _loop(kind, o + lo * item, a + lo * item, s + lo * item, hi - lo, op, scale)
+
+
+def kind(cnp.ndarray a not None):
+    """The element kind code of ``a``'s dtype for ``raw_reduce`` (TypeError for a dtype the kernels lack)."""
+    return _kind(a)
+
+
+def raw_reduce():
+    """A capsule holding ``_reduce_raw`` (for torus._ext._sched, which calls it without Python)."""
+    return PyCapsule_New(<void*>_reduce_raw, b"torus._ext._reduce.raw", NULL)

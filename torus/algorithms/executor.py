@@ -25,6 +25,9 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import faults, kernels
+from torus.algorithms import cloop
+from torus.errors import TimeoutError as TorusTimeout
+from torus.ops import OP_CODE
 from torus.partition import segments
 
 _TAG_MOD = 32767  # MPI guarantees tags up to at least 32767
@@ -63,6 +66,7 @@ class CompiledPlan:
     untouched: tuple = ()  # out of place: (lo, hi) regions no step writes, copied from src at the end
     sends: tuple = ()  # every send, by ``sid``: (step, message), for the requests' table and error messages
     tail: tuple = ()  # sends no step waits for: waited for at the end
+    table: tuple | None = None  # the C loop's arrays (cloop.table), when it is available
 
 
 class _Touched:
@@ -159,6 +163,7 @@ class Executor:
         self.segment_bytes = segment_bytes
         self.timeout = timeout
         self._buffers: dict = {}
+        self.c_loop = True  # run host buffers through the C loop when cloop.AVAILABLE (tests turn it off)
 
     def buffer(self, name, nbytes: int, alloc=None):
         """Named bytes (a 1-D uint8 array of ``nbytes``) reused across calls, growing only, so steady-state
@@ -215,14 +220,21 @@ class Executor:
             steps.append(_Step(tuple(recvs), tuple(sends), t, None, tuple(prefill)))
         untouched = tuple(touched.gaps(0, extent if count is None else count))
         steps, every, tail = _deadlines(steps)
+        table = cloop.table(steps, itemsize, tail) if cloop.AVAILABLE and self.c_loop else None
         return CompiledPlan(tuple(steps), itemsize, max((s.scratch for s in steps), default=0), untouched,
-                            every, tail)
+                            every, tail, table)
+
+    def _stall(self, what: str, step: int, nsteps: int, msg: _Message) -> str:
+        return (f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step {step + 1}/{nsteps} "
+                f"waiting on rank {msg.peer} of the {msg.name} communicator (a peer died, stalled or called a "
+                "different collective); the communicator is unusable now, abort the job")
 
     def _wait(self, req, what: str, step: int, nsteps: int, msg: _Message) -> None:
-        faults.wait(req, self.timeout, lambda: (
-            f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step {step + 1}/{nsteps} "
-            f"waiting on rank {msg.peer} of the {msg.name} communicator (a peer died, stalled or called a "
-            "different collective); the communicator is unusable now, abort the job"))
+        faults.wait(req, self.timeout, lambda: self._stall(what, step, nsteps, msg))
+
+    def stalled(self, what: str, step: int, nsteps: int, msg: _Message):
+        """Raise the TimeoutError ``_wait`` raises (for the C loop, which detects the stall itself)."""
+        raise TorusTimeout(self._stall(what, step, nsteps, msg))
 
     def wait_sends(self, reqs: list, sids: tuple, plan: CompiledPlan, what: str) -> None:
         """Wait for the sends ``sids`` (indices into ``reqs``, the requests by ``sid``)."""
@@ -243,6 +255,10 @@ class Executor:
         raw = buf.view(np.uint8)
         rsrc = src.view(np.uint8) if src is not None else None
         tmp = self.buffer("scratch", plan.scratch * isz).view(buf.dtype) if plan.scratch else None
+        if plan.table is not None and self.c_loop:
+            cloop.run(self, what, plan, buf, OP_CODE[op], scale, src, tmp)
+            self._copy_untouched(plan, buf, src, keep)
+            return
         rtmp = tmp.view(np.uint8) if tmp is not None else None
         nsteps = len(plan.steps)
         reqs: list = [None] * len(plan.sends)  # send requests by sid, waited for at their deadline step
@@ -279,6 +295,10 @@ class Executor:
                     else:
                         kernels.reduce_into(buf[m.lo:m.hi], received, op, s)
         self.wait_sends(reqs, plan.tail, plan, what)
+        self._copy_untouched(plan, buf, src, keep)
+
+    @staticmethod
+    def _copy_untouched(plan: CompiledPlan, buf, src, keep) -> None:
         if src is not None:
             for lo, hi in plan.untouched:
                 if keep is not None:
