@@ -13,9 +13,9 @@ def _expected(nbytes, size, in_place):
 
 
 @pytest.mark.parametrize("size,dims", [(2, (1, 2)), (3, (1, 3)), (4, (2, 2)), (6, (2, 3)), (6, (6, 1))])
-@pytest.mark.parametrize("nbytes", [0, 4, 128 * 1024, 128 * 1024 + 4, 256 * 1024, 256 * 1024 + 4, 512 * 1024,
-                                    512 * 1024 + 4, 16 << 20, (16 << 20) + 4, 128 << 20, (128 << 20) + 4,
-                                    256 << 20])
+@pytest.mark.parametrize("nbytes", [0, 4, 32 * 1024, 32 * 1024 + 4, 128 * 1024, 128 * 1024 + 4, 256 * 1024,
+                                    256 * 1024 + 4, 512 * 1024, 512 * 1024 + 4, 4 << 20, (4 << 20) + 4,
+                                    16 << 20, (16 << 20) + 4, 128 << 20, (128 << 20) + 4, 256 << 20])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_table(monkeypatch, size, dims, nbytes, in_place):
     monkeypatch.delenv("TORUS_ALGO", raising=False)
@@ -31,8 +31,12 @@ def test_small_is_native_large_is_a_schedule(monkeypatch):
     assert choose("allreduce", 256 << 20, 4, (2, 2)) == "torus2d"
     assert choose("allreduce", 64 << 20, 4, (2, 2)) == "ring"  # measured: 4 ranks on 2 cores
     assert choose("allreduce", 64 << 20, 6, (2, 3)) == "torus2d"
-    assert choose("allreduce", 256 << 10, 2, (1, 2)) == "ring"  # out of place it skips MPI's copy
-    assert choose("allreduce", 256 << 10, 2, (1, 2), in_place=True) == "native"
+    assert choose("allreduce", 64 << 10, 2, (1, 2)) == "ring"  # out of place it skips MPI's copy
+    assert choose("allreduce", 64 << 10, 2, (1, 2), in_place=True) == "native"
+    assert choose("allreduce", 256 << 10, 2, (1, 2), in_place=True) == "ring"
+    assert choose("allreduce", 64 << 10, 4, (2, 2)) == "torus2d"
+    assert choose("allreduce", 64 << 10, 4, (2, 2), in_place=True) == "native"
+    assert choose("allreduce", 64 << 10, 6, (2, 3)) == "native"  # not measured with the C loop
     assert choose("allreduce", 256 << 20, 2, (1, 2)) == "ring"
     assert choose("allgather", 256 << 20, 1, (1, 1)) == "native"
 

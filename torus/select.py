@@ -1,16 +1,16 @@
 """Which algorithm ``algorithm="auto"`` picks: one ordered table, by message size and grid.
 
 Measured with ``torus-bench allreduce`` (float32, 4 B .. 256 MiB, bench/results/allreduce_float32_p{2,4}.txt)
-on the development machines: 2 cores, MPICH 5 over shared memory. MPI's own all-reduce wins while latency
-dominates (our schedules pay ~10 us of Python per call and, with more ranks than cores, one scheduler slice
-per step); our schedules win once bandwidth dominates, out of place sooner than in place because they read
-sendbuf directly while MPI first copies it into recvbuf: at 2 ranks from 256 KiB out of place (0.8x native's
-time) and from 1 MiB in place (0.9x); at 4 oversubscribed ranks from 1 MiB out of place (0.84-0.91x there)
-and, in place, from 4 MiB (at 1 MiB in place torus2d measured 1.02-1.03x over 200 interleaved iterations:
-within what the table's granularity is worth). The 2D torus is the
-choice above 2 ranks (at scale it takes 2(X-1)+2(Y-1) steps against the ring's 2(N-1)), except at 3-4 ranks
-between 16 and 128 MiB, where the ring measured faster here (see the rows). Rerun the sweep on your cluster and
-set ``TORUS_ALGO`` (or pass ``algorithm=``) to override the table.
+on the development machines: 2 cores, MPICH 5 over shared memory, the C step loop (cloop.py). MPI's own
+all-reduce wins while latency dominates (our calls add the argument check and a Python entry, and take more
+steps than MPI's recursive doubling); our schedules win once bandwidth dominates, out of place sooner than in
+place because they read sendbuf directly while MPI first copies it into recvbuf: at 2 ranks from 64 KiB out
+of place (0.89x native's time) and from 256 KiB in place (0.95x); at 4 oversubscribed ranks from 64 KiB out
+of place (0.92x) and from 1 MiB in place (0.87x; 0.98x at 256 KiB, a tie). The 2D torus is the choice above
+2 ranks (at scale it takes 2(X-1)+2(Y-1) steps against the ring's 2(N-1)), except at 3-4 ranks between 4 and
+128 MiB, where the ring measured faster here (see the rows). Rows for more than 4 ranks were not measured
+with the C loop and keep the Python loop's crossover (512 KiB). Rerun the sweep on your cluster and set
+``TORUS_ALGO`` (or pass ``algorithm=``) to override the table.
 """
 from __future__ import annotations
 
@@ -22,15 +22,19 @@ ALGORITHMS = ("ring", "hierarchical", "torus2d", "native")
 # None = no limit / both placements; first match wins. Rows apply to all three collectives (reduce-scatter
 # and all-gather move half an all-reduce's bytes per step, and their crossover was not measured separately).
 TABLE = (
-    (2, 128 * 1024, None, "native"),
-    (2, 256 * 1024, "in_place", "native"),
+    (2, 32 * 1024, None, "native"),
+    (2, 128 * 1024, "in_place", "native"),
     (2, None, None, "ring"),
-    (None, 512 * 1024, None, "native"),
-    # 4 ranks on 2 cores, interleaved runs of 15-30 iterations (2026-11-29): the ring beat the 2x2 torus by
-    # 1.19-1.41x at 64 MiB and 1.23-1.34x at 128 MiB (both placements); they tie at 16 MiB and the torus wins
-    # at 256 MiB (1.10-1.13x). Above 4 ranks the torus' fewer steps are what the table is for.
-    (4, 16 << 20, None, "torus2d"),
+    (4, 32 * 1024, None, "native"),
+    (4, 512 * 1024, "in_place", "native"),
+    # 4 ranks on 2 cores (2026-11-30, C loop): the ring beat the 2x2 torus at 16 and 64 MiB (0.64 against
+    # 0.65-0.70, 0.40-0.57 against 0.52-0.69 of native's time); they tie at 4 MiB and the torus wins at 256 MiB
+    # out of place (0.73 against 0.83). Earlier interleaved runs (Python loop) agreed: the ring 1.19-1.41x
+    # faster at 64-128 MiB, the torus 1.10-1.13x at 256 MiB. Above 4 ranks the torus' fewer steps are what
+    # the table is for.
+    (4, 4 << 20, None, "torus2d"),
     (4, 128 << 20, None, "ring"),
+    (None, 512 * 1024, None, "native"),
     (None, None, None, "torus2d"),
 )
 

@@ -16,6 +16,10 @@ writes (copied at the end). This saves a full pass over the message: at 1 MiB ab
 
 Waiting polls with ``MPI.Request.Test`` when a timeout is set, so a dead or stuck peer turns into
 ``torus.errors.TimeoutError`` naming the operation, step and peer instead of a silent hang.
+
+Host buffers run this loop in C where it is built and mpi4py runs on an MPICH-ABI library (cloop.py,
+``src/_sched.pyx``: the same messages, waits, timeouts and kernels, from tables ``compile`` adds to the plan);
+the Python loop below is the fallback (``TORUS_C_LOOP=0``) and the reference the C one is tested against.
 """
 from __future__ import annotations
 
