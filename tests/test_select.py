@@ -14,7 +14,7 @@ def _expected(nbytes, size, in_place):
 
 @pytest.mark.parametrize("size,dims", [(2, (1, 2)), (3, (1, 3)), (4, (2, 2)), (6, (2, 3)), (6, (6, 1))])
 @pytest.mark.parametrize("nbytes", [0, 4, 32 * 1024, 32 * 1024 + 4, 128 * 1024, 128 * 1024 + 4, 256 * 1024,
-                                    256 * 1024 + 4, 512 * 1024, 512 * 1024 + 4, 4 << 20, (4 << 20) + 4,
+                                    256 * 1024 + 4, 512 * 1024, 512 * 1024 + 4, 1 << 20, (1 << 20) + 4,
                                     16 << 20, (16 << 20) + 4, 128 << 20, (128 << 20) + 4, 256 << 20])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_table(monkeypatch, size, dims, nbytes, in_place):
