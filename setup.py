@@ -49,7 +49,9 @@ def sched():
     """torus._ext._sched, the C step loop (src/_sched.pyx), when MPI's headers are at hand (else the
     Python loop runs; TORUS_NO_C_LOOP=1 skips it). Linked without an rpath: mpi4py has loaded libmpi.so.12
     by the time torus imports it (torus/algorithms/cloop.py)."""
-    dirs = None if os.environ.get("TORUS_NO_C_LOOP") == "1" or sys.platform != "linux" else _mpi_dirs()
+    if os.environ.get("TORUS_NO_C_LOOP") == "1" or sys.platform != "linux":
+        return []
+    dirs = _mpi_dirs()
     if dirs is None:
         print("torus: MPI headers not found; building without the C step loop", file=sys.stderr)
         return []

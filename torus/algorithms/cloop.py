@@ -16,6 +16,9 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from torus import kernels
+from torus._ext import _reduce
+
 
 def _load():
     if os.environ.get("TORUS_C_LOOP", "1") == "0":
@@ -69,8 +72,6 @@ def table(steps, itemsize: int, tail) -> tuple:
 
 def run(ex, what: str, plan, buf: np.ndarray, op_code: int, scale: float, src, tmp) -> None:
     """``Executor.run``'s loop in C on 1-D contiguous numpy ``buf`` (and ``src``); raises what it raises."""
-    from torus import kernels
-    from torus._ext import _reduce
     *arrays, msgs = plan.table
     status, si, row, rc = _sched.run(*arrays, buf, src, tmp, _reduce.kind(buf), op_code, scale,
                                      kernels.get_num_threads(), ex.timeout or 0.0,
