@@ -18,6 +18,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm
+from torus.integrations.keras import fit_hook
 from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables
 from torus.select import ALGORITHMS
 
@@ -95,6 +96,7 @@ class TorusStrategy(tf.distribute.Strategy):
         torus_comm = comm if isinstance(comm, TorusComm) else TorusComm(comm, dims)
         self.host = HostAllreduce(torus_comm, algorithm, compression)
         super().__init__(_TorusExtended(self, self.host, device))
+        fit_hook.install(self)
 
     @property
     def torus_comm(self) -> TorusComm:
