@@ -1,6 +1,8 @@
 """hvd.callbacks against their closed forms: the warm-up and schedule learning rates per batch and epoch,
 momentum correction against a numpy replay of Horovod's rule, the sample-weighted metric average, and the
 broadcast that makes differing initial states equal before the first update."""
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 from hvd_common import assert_close, assert_identical_across_ranks, hvd, init_world, keras
@@ -154,3 +156,29 @@ def test_broadcast_makes_differing_states_equal_before_step_one(hvd_world):
     assert_close(first["w"][:1], [w0[0] + root], "kernel from the root", tol=0)
     assert_close(first["w"][1:], [w0[1] + rank], "local bias kept", tol=0)
     assert first["it"] == 7 * root
+
+
+def test_broadcast_of_a_model_built_lazily_follows_the_first_batch(hvd_world):
+    """A Sequential without keras.Input has no variables when fit starts (Keras builds it while tracing the
+    first step, without a distribution strategy): the callback then broadcasts after batch 0, as Horovod."""
+    n, rank = hvd.size(), hvd.rank()
+    root = n - 1
+    keras.utils.set_random_seed(100 + rank)  # different initial weights on every rank
+    model = keras.Sequential([keras.layers.Dense(3)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse", jit_compile=False)
+    seen = {}
+
+    class Before(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.setdefault("before", [np.array(v) for v in self.model.get_weights()])
+
+    class After(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.setdefault("after", [np.array(v) for v in self.model.get_weights()])
+
+    x, y = linear_data(4 * n, seed=7)
+    with pytest.warns(UserWarning, match="not built when fit starts") if rank == 0 else nullcontext():
+        model.fit(x[rank::n], y[rank::n], batch_size=2, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[Before(), hvd.callbacks.BroadcastGlobalVariablesCallback(root), After()])
+    assert_close(seen["after"], hvd_world.bcast(seen["before"], root=root), "after batch 0: the root's", tol=0)
+    assert_identical_across_ranks(hvd_world, model.get_weights(), "weights after fit")

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 
@@ -36,22 +38,44 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of every ``fit``: refuse ``jit_compile=True`` and a ``LossScaleOptimizer`` outside the
     ``DistributedOptimizer`` (``ValueError``), build the optimizer if needed, then give every rank rank
     ``root_rank``'s model variables (except ``local_variables`` and Keras' random-seed states, so dropout
-    stays independent per rank as in Horovod) and all optimizer variables (slots, iterations, learning rate).
-    Collective; ``device`` is accepted and ignored."""
+    stays independent per rank as in Horovod) and all optimizer variables (slots, iterations, learning rate),
+    before the first update. Collective; ``device`` is accepted and ignored.
+
+    A model whose variables do not exist yet when ``fit`` starts (a ``Sequential`` without ``keras.Input``:
+    without a distribution strategy Keras builds it while tracing the first step) is broadcast after the first
+    batch instead, as Horovod does: that first update averages gradients taken at different weights, and
+    rank 0 warns. Build the model first (``keras.Input`` or ``model.build``) to avoid it."""
 
     def __init__(self, root_rank, device="", local_variables=None):
         super().__init__()
         self.root_rank = int(root_rank)
         self._local = {id(v) for v in (local_variables or [])}
+        self._pending = False
 
-    def on_train_begin(self, logs=None):
+    def _broadcast(self):
         model = self.model
-        check_trainable(model, "hvd.callbacks.BroadcastGlobalVariablesCallback")
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         shared = [v for v in model.variables
                   if id(v) not in self._local and not v.path.endswith("seed_generator_state")]
         broadcast_variables(shared + list(model.optimizer.variables), self.root_rank)
+        self._pending = False
+
+    def on_train_begin(self, logs=None):
+        check_trainable(self.model, "hvd.callbacks.BroadcastGlobalVariablesCallback")
+        if self.model.built:
+            self._broadcast()
+            return
+        self._pending = True
+        if rank() == 0:
+            warnings.warn("hvd.callbacks.BroadcastGlobalVariablesCallback: the model is not built when fit "
+                          "starts, so its weights are broadcast after the first batch (as in Horovod) and the "
+                          "first update mixes gradients taken at different weights; build the model before fit "
+                          "(keras.Input or model.build) to broadcast before it", stacklevel=2)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._pending:
+            self._broadcast()
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
