@@ -145,6 +145,22 @@ def test_saved_model_holds_a_plain_optimizer(hvd_world, suffix):
                  [v.numpy() for v in model.optimizer.variables], "optimizer state", tol=0)
 
 
+def test_load_model_resumes_with_the_saved_optimizer_state(hvd_world):
+    """2 steps, save, hvd.load_model, 2 more steps == 4 steps of one process (Adam's moments carried over)."""
+    x, y = digits(B * 4, seed=10)
+    w0 = initial_weights(mnist_model(), seed=11)
+    _, _, model = hvd_fit(x[:2 * B], y[:2 * B], w0, keras.optimizers.Adam(0.01))
+    path = Path(tempfile.mkdtemp()) / "model.keras"
+    model.save(path)
+    loaded = hvd.load_model(path)
+    assert is_distributed(loaded.optimizer) and int(loaded.optimizer.iterations) == 2
+    rows = rank_rows(2 * B, hvd.size(), hvd.rank()) + 2 * B
+    loaded.fit(x[rows], y[rows], batch_size=B // hvd.size(), epochs=1, shuffle=False, verbose=0)
+    ref, _ = reference_fit(x, y, w0, keras.optimizers.Adam(0.01))
+    assert_identical_across_ranks(hvd_world, loaded.get_weights(), "resumed")
+    assert_close(loaded.get_weights(), ref.steps[-1], "resumed vs one process")
+
+
 def test_refused(hvd_world):
     x, y = digits(B, seed=9)
     model = mnist_model()

@@ -9,8 +9,8 @@ to ::
 and run the script under ``mpiexec -n N``. ``init``, ``rank``, ``size``, ``local_rank``, ``local_size``,
 ``cross_rank``, ``cross_size`` (``basics``); ``allreduce``, ``allgather``, ``broadcast``, ``broadcast_object``,
 ``allgather_object``, ``broadcast_variables`` and the ops ``Average``, ``Sum``, ``Min``, ``Max``, ``Product``
-(``collectives``); ``Compression``; ``DistributedOptimizer`` (``optimizer``); ``callbacks.*``. What differs from
-Horovod and what is missing: integrations/keras/HOROVOD.md.
+(``collectives``); ``Compression``; ``DistributedOptimizer`` and ``load_model`` (``optimizer``);
+``callbacks.*``. What differs from Horovod and what is missing: integrations/keras/HOROVOD.md.
 """
 from torus.integrations.keras.horovod import callbacks
 from torus.integrations.keras.horovod.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
@@ -19,9 +19,9 @@ from torus.integrations.keras.horovod.collectives import (Average, Max, Min, Pro
                                                           allgather_object, allreduce, broadcast,
                                                           broadcast_object, broadcast_variables)
 from torus.integrations.keras.horovod.compression import Compression
-from torus.integrations.keras.horovod.optimizer import DistributedOptimizer
+from torus.integrations.keras.horovod.optimizer import DistributedOptimizer, load_model
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
            "broadcast_variables", "Average", "Sum", "Min", "Max", "Product", "Compression",
-           "DistributedOptimizer", "callbacks"]
+           "DistributedOptimizer", "load_model", "callbacks"]

@@ -161,3 +161,20 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     wrapped._torus = _Reducer(host, op, float(gradient_predivide_factor), int(backward_passes_per_step),
                               bool(average_aggregated_gradients))
     return wrapped
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
+    """``keras.models.load_model(filepath)`` with the model's optimizer, and the state loaded into it, made
+    distributed (``op=Average``, ``compression``), as Horovod's ``hvd.load_model``. ``custom_optimizers``:
+    optimizer classes the file may name, added to ``custom_objects``. Every rank loads the file itself (put it
+    where all can read it); ``ValueError`` before ``hvd.init()``."""
+    host = host_allreduce(compression, "auto", "hvd.load_model")
+    objects = dict(custom_objects or {})
+    objects.update({cls.__name__: cls for cls in custom_optimizers or []})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    optimizer = model.optimizer
+    if optimizer is not None and not is_distributed(optimizer):
+        # Swap the class in place so the loaded slots and iterations stay; the subclass adds only methods.
+        optimizer.__class__ = _distributed_class(type(optimizer))
+        optimizer._torus = _Reducer(host, Average, 1.0, 1, False)
+    return model
