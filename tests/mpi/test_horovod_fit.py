@@ -4,6 +4,7 @@ stay bitwise identical; backward_passes_per_step, fp16 compression, saving, and 
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hvd_common import (B, Record, assert_close, assert_identical_across_ranks, digits, hvd, init_world,
                         initial_weights, keras, mnist_model, rank_rows, tf)
@@ -159,6 +160,32 @@ def test_load_model_resumes_with_the_saved_optimizer_state(hvd_world):
     ref, _ = reference_fit(x, y, w0, keras.optimizers.Adam(0.01))
     assert_identical_across_ranks(hvd_world, loaded.get_weights(), "resumed")
     assert_close(loaded.get_weights(), ref.steps[-1], "resumed vs one process")
+
+
+def test_loss_scale_optimizer_inside_the_distributed_one(hvd_world):
+    """float16 compute: the loss-scale optimizer sees the all-reduced gradients, so every rank takes the same
+    finite/non-finite branch; the result matches one process."""
+    x, y = digits(B * STEPS, seed=12)
+
+    def model_fp16():
+        return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                                 keras.layers.Dense(16, activation="relu", dtype="mixed_float16"),
+                                 keras.layers.Dense(10, dtype="float32")])
+
+    w0 = initial_weights(model_fp16(), seed=13)
+    runs = {}
+    for who in ("hvd", "ref"):
+        model = model_fp16()
+        model.set_weights([w + (hvd.rank() if who == "hvd" else 0) for w in w0])
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        opt = hvd.DistributedOptimizer(opt) if who == "hvd" else opt
+        model.compile(loss=LOSS(from_logits=True), optimizer=opt, jit_compile=False)
+        rows = rank_rows(len(x), hvd.size(), hvd.rank()) if who == "hvd" else np.arange(len(x))
+        model.fit(x[rows], y[rows], batch_size=len(rows) // STEPS, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)] if who == "hvd" else [])
+        runs[who] = model.get_weights()
+    assert_identical_across_ranks(hvd_world, runs["hvd"], "mixed precision")
+    assert_close(runs["hvd"], runs["ref"], "mixed precision vs one process", tol=1e-3)
 
 
 def test_refused(hvd_world):
