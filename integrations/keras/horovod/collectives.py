@@ -1,0 +1,147 @@
+"""Horovod's tensor and object collectives over the ``TorusComm`` of ``hvd.init()``.
+
+Each tensor call is one ``tf.numpy_function`` (``stateful``, so inside a ``tf.function`` they run in program
+order on every rank), usable eagerly or in a graph; not XLA-compilable. Every call is collective: all ranks
+make the same calls in the same order. All-reduce goes through ``torus.integrations.keras.loop``
+(``HostAllreduce`` / ``allreduce_tensors``, the torus schedules); all-gather and broadcast move bytes with the
+communicator's own ``MPI_Allgatherv`` / ``MPI_Bcast`` after an all-gather of every rank's shape and dtype, so a
+mismatch raises ``ValueError`` on every rank instead of hanging or truncating.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from torus.integrations.keras.horovod.basics import rank, size, torus_comm
+from torus.integrations.keras.horovod.compression import Compression, wire_format
+from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables as _bcast_vars
+from torus.ops import OPS, check_op_dtype
+
+# Horovod's reduction constants, spelled as torus op names. Adasum is not provided.
+Average, Sum, Min, Max, Product = "avg", "sum", "min", "max", "prod"
+
+_hosts: dict = {}
+
+
+def host_allreduce(compression=Compression.none, algorithm: str = "auto", what: str = "hvd") -> HostAllreduce:
+    """The (cached) ``HostAllreduce`` for this wire format and torus algorithm on the current communicator."""
+    tc = torus_comm()
+    key = (wire_format(compression, what, tc.rank), algorithm)
+    found = _hosts.get(key)
+    if found is None or found.torus_comm is not tc:
+        found = _hosts[key] = HostAllreduce(tc, algorithm, key[0])
+    return found
+
+
+def fused_allreduce(host: HostAllreduce, tensors, op: str):
+    """``loop.allreduce_tensors``, traced into a graph when called eagerly: eagerly, ``tf.numpy_function``
+    hands back a lone tensor for a one-element output list, which ``allreduce_tensors`` does not expect."""
+    if tf.executing_eagerly():
+        return tf.function(lambda: allreduce_tensors(host, list(tensors), op))()
+    return allreduce_tensors(host, list(tensors), op)
+
+
+def resolve_op(what: str, average=None, op=None) -> str:
+    """Horovod's ``op`` / deprecated ``average`` pair as a torus op name (default ``Average``)."""
+    if average is not None and op is not None:
+        raise ValueError(f"{what} on rank {rank()}: pass op or the deprecated average, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    if op not in OPS:
+        raise ValueError(f"{what} on rank {rank()}: op {op!r} not one of hvd.Average, Sum, Min, Max, Product "
+                         "(Adasum is not supported)")
+    return op
+
+
+def _root(what: str, root_rank) -> int:
+    if not 0 <= int(root_rank) < size():
+        raise ValueError(f"{what} on rank {rank()}: root_rank {root_rank} outside [0, {size()})")
+    return int(root_rank)
+
+
+def _numeric(what: str, value) -> tf.Tensor:
+    tensor = tf.convert_to_tensor(value)
+    if not (tensor.dtype.is_floating or tensor.dtype.is_integer or tensor.dtype.is_bool):
+        raise TypeError(f"{what} on rank {rank()}: dtype {tensor.dtype.name} is not numeric")
+    return tensor
+
+
+def _agree_layout(what: str, buf: np.ndarray, same_first_dim: bool) -> list:
+    """All-gather every rank's (shape, dtype); ``ValueError`` on every rank if they cannot be combined."""
+    layouts = torus_comm().comm.allgather((buf.shape, buf.dtype.str))
+    keep = slice(0 if same_first_dim else 1, None)
+    bad = [r for r, (shape, dt) in enumerate(layouts)
+           if dt != buf.dtype.str or len(shape) != buf.ndim or shape[keep] != buf.shape[keep]]
+    if bad:
+        raise ValueError(f"{what} on rank {rank()}: shapes/dtypes differ between ranks: "
+                         + ", ".join(f"rank {r} {s} {d}" for r, (s, d) in enumerate(layouts)))
+    return [shape for shape, _ in layouts]
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=Compression.none):
+    """Reduce ``value`` (any tensor-like; same shape and dtype on every rank) over all ranks; returns a
+    ``tf.Tensor`` of its shape and dtype. ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``;
+    ``Average`` on integers raises ``TypeError``. ``prescale_factor`` / ``postscale_factor`` multiply before /
+    after the reduction. ``name`` is accepted and unused."""
+    op = resolve_op("hvd.allreduce", average, op)
+    tensor = _numeric("hvd.allreduce", value)
+    check_op_dtype("hvd.allreduce", rank(), op, tensor.dtype.as_numpy_dtype)
+    if prescale_factor != 1.0:
+        tensor = tensor * tf.cast(prescale_factor, tensor.dtype)
+    (out,) = fused_allreduce(host_allreduce(compression, what="hvd.allreduce"), [tensor], op)
+    if postscale_factor != 1.0:
+        out = out * tf.cast(postscale_factor, out.dtype)
+    return out
+
+
+def allgather(value, name=None):
+    """Concatenate every rank's ``value`` along the first dimension, in rank order. Shapes may differ in the
+    first dimension only (at least one dimension); dtypes must agree. Returns a ``tf.Tensor``."""
+    tensor = _numeric("hvd.allgather", value)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"hvd.allgather on rank {rank()}: value must have at least one dimension")
+
+    def gather(buf):
+        buf = np.ascontiguousarray(buf)
+        shapes = _agree_layout("hvd.allgather", buf, same_first_dim=False)
+        out = np.empty((sum(s[0] for s in shapes),) + buf.shape[1:], buf.dtype)
+        nbytes = [int(np.prod(s)) * buf.dtype.itemsize for s in shapes]
+        torus_comm().comm.Allgatherv(buf.reshape(-1).view(np.uint8), [out.reshape(-1).view(np.uint8), nbytes])
+        return out
+
+    out = tf.numpy_function(gather, [tensor], tensor.dtype, stateful=True, name="hvd_allgather")
+    out.set_shape([None] + tensor.shape.as_list()[1:])
+    return out
+
+
+def broadcast(value, root_rank, name=None):
+    """Rank ``root_rank``'s ``value`` on every rank (same shape and dtype everywhere); a ``tf.Tensor``."""
+    tensor = _numeric("hvd.broadcast", value)
+    root = _root("hvd.broadcast", root_rank)
+
+    def bcast(buf):
+        out = np.array(buf, copy=True, order="C")
+        _agree_layout("hvd.broadcast", out, same_first_dim=True)
+        torus_comm().comm.Bcast(out.reshape(-1).view(np.uint8), root=root)
+        return out
+
+    out = tf.numpy_function(bcast, [tensor], tensor.dtype, stateful=True, name="hvd_broadcast")
+    out.set_shape(tensor.shape)
+    return out
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Rank ``root_rank``'s picklable ``obj`` on every rank (``mpi4py`` ``bcast``)."""
+    return torus_comm().comm.bcast(obj, root=_root("hvd.broadcast_object", root_rank))
+
+
+def allgather_object(obj, name=None):
+    """A list of every rank's picklable ``obj``, in rank order (``mpi4py`` ``allgather``)."""
+    return torus_comm().comm.allgather(obj)
+
+
+def broadcast_variables(variables, root_rank):
+    """Assign rank ``root_rank``'s values to ``variables`` (Keras or tf variables; same shapes, dtypes and
+    order on every rank). Eager only (``torus.integrations.keras.loop.broadcast_variables``)."""
+    _bcast_vars(torus_comm(), list(variables), _root("hvd.broadcast_variables", root_rank))
