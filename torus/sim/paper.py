@@ -97,14 +97,14 @@ def header(cost: Cost, nbytes: int = RESNET50_NBYTES) -> list[str]:
         return f"alpha {_si(a, 's')} per message, beta {b:g} s/B ({1 / b / 1e9:.3g} GB/s)" if b else \
             f"alpha {_si(a, 's')} per message, beta 0"
     return [
-        f"# torus-sim --paper: Mikami et al. 2018 (arXiv:1811.05233) section 3.2, all-reduce of ResNet-50's "
-        f"float32 gradients (M = {nbytes / 2**20:.1f} MiB), {RANKS_PER_NODE} ranks per node",
+        (f"# torus-sim --paper: Mikami et al. 2018 (arXiv:1811.05233) section 3.2, all-reduce of ResNet-50's "
+         f"float32 gradients (M = {nbytes / 2**20:.1f} MiB), {RANKS_PER_NODE} ranks per node"),
         f"# cost within a node: {level(cost.alpha, cost.beta)}, gamma {cost.gamma:g} s per byte reduced",
         f"# cost between nodes: {level(inter_a, inter_b)}",
-        "# per algorithm: steps = messages in sequence on a rank; off-node = MB the busiest rank sends to other "
-        "nodes; ms = predicted time",
-        "# every figure is the simulated replay of torus' own schedule; * marks one that differs from the "
-        "paper's closed form",
+        ("# per algorithm: steps = messages in sequence on a rank; off-node = MB the busiest rank sends to other "
+         "nodes; ms = predicted time"),
+        ("# every figure is the simulated replay of torus' own schedule; * marks one that differs from the "
+         "paper's closed form"),
     ]
 
 
