@@ -47,6 +47,7 @@ TRAIN = "torus.integrations.keras.train"
     (["--image-size", "16"], "ResNet-50 needs at least 32 pixels"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--summary", "/no/such/dir/s.json"], "folder /no/such/dir does not exist"),
+    (["--data", "/no/such/folder"], "--data /no/such/folder: no such folder"),
 ])
 def test_train_usage_error_is_one_line_before_tensorflow(no_tensorflow, args, expected):
     proc = _job(TRAIN, *args, pythonpath=no_tensorflow)

@@ -594,6 +594,9 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     args = parse_args(argv, size=comm.Get_size())  # before TensorFlow: a bad argument fails in a second
+    if args.data is not None and not os.path.isdir(args.data):
+        from torus.cli import usage_error  # here, not in parse_args: Trainer reports it too (as DataError)
+        usage_error("torus-train", f"--data {args.data}: no such folder")
     threads = _configure_tensorflow(args, comm)
     from torus.cli import FAILED, abort_on_error
     if comm.Get_size() > 1:
