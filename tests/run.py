@@ -3,6 +3,10 @@
 
 Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--skip-single] [-- pytest args...]
 
+Test files or folders among the pytest arguments narrow the run to them: those under tests/mpi run under
+mpiexec, the others in one process, and a part with none of them is left out
+(``python tests/run.py --ranks 1,2 -- tests/mpi/test_bench.py`` runs that file at 1 and 2 ranks only).
+
 Rank 0 prints pytest's report; other ranks print only failures (tests/conftest.py aborts the whole job on
 any failing rank, so nothing deadlocks). Each mpiexec run has a wall-clock limit. The last line is the
 total, 'N passed, N failed', and the exit status is non-zero if anything failed or timed out. pytest's exit
@@ -120,7 +124,11 @@ def _all_suites(args, tmp: Path) -> int:
     crashes: list[str] = []
     skipped: list[str] = []
     status = 0
-    common = ["-p", "no:cacheprovider", *args.pytest_args]
+    paths = [a for a in args.pytest_args if not a.startswith("-") and (ROOT / a.split("::")[0]).exists()]
+    options = [a for a in args.pytest_args if a not in paths]
+    mpi_paths = [a for a in paths if Path(a).resolve().is_relative_to(ROOT / "tests" / "mpi")]
+    single_paths = [a for a in paths if a not in mpi_paths]
+    common = ["-p", "no:cacheprovider", *options]
 
     def suite(name: str, cmd: list, xml: Path, rerun: bool = args.rerun_crashed) -> None:
         nonlocal status
@@ -144,12 +152,13 @@ def _all_suites(args, tmp: Path) -> int:
         totals["skipped"] += s
 
     t0 = time.time()
-    if not args.skip_single:
+    if not args.skip_single and (single_paths or not paths):
         xml = tmp / "single.xml"
-        suite("tests", [py, "-m", "pytest", "tests", "--ignore=tests/mpi", f"--junitxml={xml}", *common], xml)
-    for k in [int(r) for r in args.ranks.split(",") if r]:
+        where = single_paths or ["tests", "--ignore=tests/mpi"]
+        suite("tests", [py, "-m", "pytest", *where, f"--junitxml={xml}", *common], xml)
+    for k in [int(r) for r in args.ranks.split(",") if r and (mpi_paths or not paths)]:
         xml = tmp / f"mpi{k}.xml"
-        base = [py, "-m", "pytest", "tests/mpi", "-o", "timeout_method=thread", *common]
+        base = [py, "-m", "pytest", *(mpi_paths or ["tests/mpi"]), "-o", "timeout_method=thread", *common]
         cmd = [mpiexec, "-n", "1", *base, f"--junitxml={xml}"]
         if k > 1:
             cmd += [":", "-n", str(k - 1), *base, "-p", "no:terminal"]

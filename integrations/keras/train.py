@@ -549,9 +549,9 @@ class Trainer:
                       "{images_per_s:.1f} images/s".format(n=args.epochs, **record)
                       + (", val top-1 {val_top1:.4f}, top-5 {val_top5:.4f}".format(**record)
                          if "val_top1" in record else ""), flush=True)
-                if args.checkpoint_dir:
-                    checkpoint.save(args.checkpoint_dir, epoch + 1, self.model,
-                                    {"epoch": epoch + 1, "history": history, "args": vars(args)})
+            if self.rank == 0 and args.checkpoint_dir:
+                checkpoint.save(args.checkpoint_dir, epoch + 1, self.model,
+                                {"epoch": epoch + 1, "history": history, "args": vars(args)})
         return self._summary(history, time.perf_counter() - t_start)
 
     def _summary(self, history: list, seconds: float) -> dict:
