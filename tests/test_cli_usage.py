@@ -98,3 +98,19 @@ def test_every_flag_has_help(module):
     import importlib
     parser = importlib.import_module(module).parser()
     assert [a.dest for a in parser._actions if not a.help] == []
+
+
+def test_failure_on_one_rank_is_one_line_and_ends_the_job(tmp_path):
+    """Rank 1 raises while rank 0 waits in a barrier it will never complete: one line, then MPI_Abort."""
+    script = tmp_path / "fails.py"
+    script.write_text("from mpi4py import MPI\nfrom torus import cli\ncomm = MPI.COMM_WORLD\n"
+                      "cli.abort_on_error(comm, 'demo')\nif comm.Get_rank() == 1:\n"
+                      "    raise ValueError('bad shard\\n  on two lines')\ncomm.Barrier()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_LOCAL"))}
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=60, check=False)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("demo:")]
+    assert ours == ["demo: rank 1 failed: ValueError: bad shard on two lines (--debug shows the traceback)"], \
+        proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -49,8 +49,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if "default" in text or default in (None, False, argparse.SUPPRESS) or action.nargs == 0 \
-                or not action.option_strings:
+        if "default" in text or default is None or default is False or default is argparse.SUPPRESS \
+                or action.nargs == 0 or not action.option_strings:
             return text
         return f"{text} (default: {default})" if text else f"(default: {default})"
 
