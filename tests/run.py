@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import re
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter

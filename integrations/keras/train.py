@@ -5,8 +5,13 @@
 TFRecords (see ``data.py``). Each epoch runs ``model.fit`` for one epoch with that epoch's batch size from the
 batch-size schedule (the dataset is re-batched at epoch boundaries, every rank runs the same number of steps),
 then evaluates top-1/top-5 on the whole validation set (exact global counts), averages batch-norm moving
-statistics over ranks and, on rank 0, writes an atomic checkpoint. Rank 0 prints progress, writes TensorBoard
-logs and, at the end, a JSON summary (stdout's last line, and ``summary.json`` in the checkpoint folder).
+statistics over ranks and, on rank 0, writes an atomic checkpoint. Rank 0 prints one line per epoch (with a
+progress bar while the output is a terminal), writes TensorBoard logs and, at the end, prints a labelled summary
+line and writes the JSON summary to ``--summary`` or ``<checkpoint-dir>/summary.json``.
+
+Every argument is checked before TensorFlow is imported (a usage error is one line from rank 0, exit status
+2); failures every rank reaches together are one line naming the ranks (exit status 1); a rank failing alone
+prints one line and aborts the job (``--debug`` adds tracebacks and TensorFlow's start-up log).
 """
 from __future__ import annotations
 

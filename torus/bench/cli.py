@@ -49,8 +49,10 @@ def _dims(text: str) -> tuple[int, int]:
 def parser() -> argparse.ArgumentParser:
     ap = cli.ArgumentParser(prog="torus-bench", description=__doc__)
     ap.add_argument("collective", choices=COLLECTIVES, help="which collective to time")
-    ap.add_argument("-b", "--minbytes", type=_size, metavar="SIZE", default="4", help="smallest size in bytes (K, M, G: binary)")
-    ap.add_argument("-e", "--maxbytes", type=_size, metavar="SIZE", default="64M", help="largest size in bytes (K, M, G: binary)")
+    ap.add_argument("-b", "--minbytes", type=_size, metavar="SIZE", default="4",
+                    help="smallest size in bytes (K, M, G: binary)")
+    ap.add_argument("-e", "--maxbytes", type=_size, metavar="SIZE", default="64M",
+                    help="largest size in bytes (K, M, G: binary)")
     ap.add_argument("-f", "--stepfactor", type=int, metavar="F", default=2, help="multiply the size by this each step")
     ap.add_argument("-n", "--iters", type=int, metavar="N", default=20, help="timed iterations per size and placement")
     ap.add_argument("-w", "--warmup_iters", type=int, metavar="N", default=5, help="untimed iterations before timing")
