@@ -3,29 +3,37 @@
 
 Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--skip-single] [-- pytest args...]
 
+Test files or folders among the pytest arguments narrow the run to them: those under tests/mpi run under
+mpiexec, the others in one process, and a part with none of them is left out
+(``python tests/run.py --ranks 1,2 -- tests/mpi/test_bench.py`` runs that file at 1 and 2 ranks only).
+
 Rank 0 prints pytest's report; other ranks print only failures (tests/conftest.py aborts the whole job on
 any failing rank, so nothing deadlocks). Each mpiexec run has a wall-clock limit. The last line is the
 total, 'N passed, N failed', and the exit status is non-zero if anything failed or timed out. pytest's exit
 5 (nothing collected) counts as an empty pass. Before it come the names of the failed tests, from each suite's
-JUnit report, so the tail of the log says what failed.
+JUnit report, and one line per reason for the skipped tests ('skipped 1200: a 2x3 grid does not fit 4 ranks
+(and 5 similar)'), so the tail of the log says what failed and what did not run. The JUnit reports live in a
+temporary folder that is removed at the end.
 
 A suite whose process is killed by a signal (SIGSEGV, SIGBUS: a crash, not a failed assertion, which exits 1)
-is run once more, whole, and the last line says so ('1 suite(s) rerun after a crash'); it counts as failed if
-it crashes or fails again. Why: one CI run (of about fifteen full runs so far) died on a segfault inside
-TensorFlow 2.21's ``model.evaluate`` (creating a tf.data iterator, tests/mpi/test_keras_strategy.py); 18
-further runs of that module after the GPU-buffer tests, at 1, 2 and 3 ranks, did not reproduce it. The rerun
-keeps one such crash from failing CI; the log keeps its trace.
+is reported as a crash ('CRASH mpiexec -n 3: killed by SIGSEGV') and fails the run. Only with
+``--rerun-crashed`` (or ``TORUS_TESTS_RERUN_CRASHED=1``) is it run once more, whole, and the rerun's result
+counts; the crash is still reported. CI (.ci/run) never sets either: a crash is a bug until shown otherwise
+(one CI run died on a segfault inside TensorFlow 2.21's ``model.evaluate``, tests/mpi/test_keras_strategy.py,
+and 18 reruns did not reproduce it).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,10 +67,33 @@ def _failures(xml_path: Path) -> list[str]:
     return out
 
 
+def _skips(xml_path: Path) -> list[str]:
+    """The reason of every skipped test in the report, one entry per test."""
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    return [" ".join((skip.get("message") or "no reason given").split()) for case in root.iter("testcase")
+            for skip in case.findall("skipped")]
+
+
+def skip_lines(reasons: list[str]) -> list[str]:
+    """One line per reason, most frequent first; reasons that differ only in their numbers are one reason."""
+    groups: dict[str, Counter] = {}
+    for reason in reasons:
+        groups.setdefault(re.sub(r"\d+", "#", reason), Counter())[reason] += 1
+    lines = []
+    for variants in sorted(groups.values(), key=lambda c: -sum(c.values())):
+        example, _ = variants.most_common(1)[0]
+        similar = f" (and {len(variants) - 1} similar)" if len(variants) > 1 else ""
+        lines.append(f"skipped {sum(variants.values())}: {example}{similar}")
+    return lines
+
+
 def _run(cmd, timeout: int, env) -> int:
     print("+", " ".join(cmd), flush=True)
     try:
-        return subprocess.run(cmd, cwd=ROOT, timeout=timeout, env=env).returncode
+        return subprocess.run(cmd, cwd=ROOT, timeout=timeout, env=env, check=False).returncode
     except subprocess.TimeoutExpired:
         print(f"TIMEOUT after {timeout} s: {' '.join(cmd)}", flush=True)
         return 124
@@ -73,28 +104,44 @@ def main() -> int:
     ap.add_argument("--ranks", default="1,2,3,4,5,6", help="comma-separated rank counts for tests/mpi")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per mpiexec run")
     ap.add_argument("--skip-single", action="store_true", help="only the multi-rank suites")
+    ap.add_argument("--rerun-crashed", action="store_true",
+                    default=os.environ.get("TORUS_TESTS_RERUN_CRASHED") == "1",
+                    help="run a suite killed by SIGSEGV/SIGBUS once more and count the rerun (never in CI; "
+                    "also TORUS_TESTS_RERUN_CRASHED=1)")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="torus-tests-") as tmp:
+        return _all_suites(args, Path(tmp))
+
+
+def _all_suites(args, tmp: Path) -> int:
     py = sys.executable
     mpiexec = shutil.which("mpiexec", path=str(Path(py).parent)) or shutil.which("mpiexec")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                TF_CPP_MIN_LOG_LEVEL="2")
-    tmp = Path(tempfile.mkdtemp(prefix="torus-tests-"))
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     failures: list[str] = []
-    reruns: list[str] = []
+    crashes: list[str] = []
+    skipped: list[str] = []
     status = 0
-    common = ["-p", "no:cacheprovider", *args.pytest_args]
+    paths = [a for a in args.pytest_args if not a.startswith("-") and (ROOT / a.split("::")[0]).exists()]
+    options = [a for a in args.pytest_args if a not in paths]
+    mpi_paths = [a for a in paths if Path(a).resolve().is_relative_to(ROOT / "tests" / "mpi")]
+    single_paths = [a for a in paths if a not in mpi_paths]
+    common = ["-p", "no:cacheprovider", *options]
 
-    def suite(name: str, cmd: list, xml: Path, retry: bool = True) -> None:
+    def suite(name: str, cmd: list, xml: Path, rerun: bool = args.rerun_crashed) -> None:
         nonlocal status
         rc = _run(cmd, args.timeout, env)
-        if rc in CRASH and retry:
-            reruns.append(f"{name} ({CRASH[rc]})")
-            print(f"{name}: killed by {CRASH[rc]}; running it once more", flush=True)
-            return suite(name, cmd, xml, retry=False)
+        if rc in CRASH:
+            crashes.append(f"CRASH {name}: killed by {CRASH[rc]}" + ("; rerun, the rerun's result counts"
+                                                                     if rerun else ""))
+            print(crashes[-1], flush=True)
+            if rerun:
+                return suite(name, cmd, xml, rerun=False)
         p, f, s = _counts(xml)
         failures.extend(f"{name}: {line}" for line in _failures(xml))
+        skipped.extend(_skips(xml))
         if rc not in (0, 5):
             print(f"{name}: exit status {rc}", flush=True)
             status, f = 1, f or 1
@@ -105,21 +152,25 @@ def main() -> int:
         totals["skipped"] += s
 
     t0 = time.time()
-    if not args.skip_single:
+    if not args.skip_single and (single_paths or not paths):
         xml = tmp / "single.xml"
-        suite("tests", [py, "-m", "pytest", "tests", "--ignore=tests/mpi", f"--junitxml={xml}", *common], xml)
-    for k in [int(r) for r in args.ranks.split(",") if r]:
+        where = single_paths or ["tests", "--ignore=tests/mpi"]
+        suite("tests", [py, "-m", "pytest", *where, f"--junitxml={xml}", *common], xml)
+    for k in [int(r) for r in args.ranks.split(",") if r and (mpi_paths or not paths)]:
         xml = tmp / f"mpi{k}.xml"
-        base = [py, "-m", "pytest", "tests/mpi", "-o", "timeout_method=thread", *common]
+        base = [py, "-m", "pytest", *(mpi_paths or ["tests/mpi"]), "-o", "timeout_method=thread", *common]
         cmd = [mpiexec, "-n", "1", *base, f"--junitxml={xml}"]
         if k > 1:
             cmd += [":", "-n", str(k - 1), *base, "-p", "no:terminal"]
         suite(f"mpiexec -n {k}", cmd, xml)
+    for line in skip_lines(skipped):
+        print(line)
     for line in failures:
         print("FAILED", line)
+    for line in crashes:
+        print(line)
     print(f"all suites took {time.time() - t0:.0f} s")
-    rerun = f", {len(reruns)} suite(s) rerun after a crash: {'; '.join(reruns)}" if reruns else ""
-    print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped{rerun}")
+    print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
     return status
 
 

@@ -5,8 +5,13 @@
 TFRecords (see ``data.py``). Each epoch runs ``model.fit`` for one epoch with that epoch's batch size from the
 batch-size schedule (the dataset is re-batched at epoch boundaries, every rank runs the same number of steps),
 then evaluates top-1/top-5 on the whole validation set (exact global counts), averages batch-norm moving
-statistics over ranks and, on rank 0, writes an atomic checkpoint. Rank 0 prints progress, writes TensorBoard
-logs and, at the end, a JSON summary (stdout's last line, and ``summary.json`` in the checkpoint folder).
+statistics over ranks and, on rank 0, writes an atomic checkpoint. Rank 0 prints one line per epoch (with a
+progress bar while the output is a terminal), writes TensorBoard logs and, at the end, prints a labelled summary
+line and writes the JSON summary to ``--summary`` or ``<checkpoint-dir>/summary.json``.
+
+Every argument is checked before TensorFlow is imported (a usage error is one line from rank 0, exit status
+2); failures every rank reaches together are one line naming the ranks (exit status 1); a rank failing alone
+prints one line and aborts the job (``--debug`` adds tracebacks and TensorFlow's start-up log).
 """
 from __future__ import annotations
 
@@ -14,8 +19,11 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 # The recipe for the embedded digits (ResNet-50 at 32x32, 2 ranks): LARS with a 1-epoch warm-up, batch 64 then
 # 128 (the linear rule doubles the peak rate with it), poly decay, batch-norm momentum 0.9. Measured: validation
@@ -31,49 +39,131 @@ _RECIPE = ("model", "image_size", "epochs", "batch_schedule", "optimizer", "lr",
            "momentum", "weight_decay", "trust", "label_smoothing", "bn_momentum", "augment", "seed")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="torus-train", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+_DESCRIPTION = """\
+Data-parallel ResNet-50 training under mpiexec (Mikami et al. 2018, arXiv:1811.05233).
+
+With no --data it trains on the embedded digits set (scikit-learn's 1,797 real 8x8 scans, resized, written once
+to ~/.cache/torus or $TORUS_CACHE); --data reads an ILSVRC2012 folder tree or ImageNet TFRecords. Each epoch
+trains with that epoch's batch from --batch-schedule, then measures top-1/top-5 on the whole validation set.
+Rank 0 prints one line per epoch and a summary; nothing is written unless --checkpoint-dir, --summary or
+--tensorboard say where.
+
+  mpiexec -n 2 torus-train                              # the digits, 10 epochs
+  mpiexec -n 4 torus-train --data /imagenet --image-size 224 --batch-schedule 0:256,5:512
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    from torus.cli import ArgumentParser
+    p = ArgumentParser(prog="torus-train", description=_DESCRIPTION)
     d = DEFAULTS
-    p.add_argument("--data", help="ILSVRC2012 folder tree or TFRecord folder (default: the embedded digits)")
+    p.add_argument("--data", metavar="DIR",
+                   help="ILSVRC2012 folder tree (train/, val/) or TFRecord folder (default: the embedded digits)")
     p.add_argument("--model", default="resnet50", choices=["resnet50", "tiny"],
-                   help="keras.applications.ResNet50(weights=None), or a tiny CNN for tests")
-    p.add_argument("--image-size", type=int, default=d["image_size"], help="training/validation side in pixels")
-    p.add_argument("--epochs", type=int, default=d["epochs"])
-    p.add_argument("--batch-schedule", default=d["batch_schedule"],
-                   help="global batch by epoch, 'epoch:batch,...' (batch-size control)")
-    p.add_argument("--optimizer", default=d["optimizer"], choices=["lars", "sgd"])
-    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate per --base-batch images")
-    p.add_argument("--base-batch", type=int, default=d["base_batch"], help="batch the --lr refers to")
-    p.add_argument("--warmup-epochs", type=float, default=d["warmup_epochs"])
-    p.add_argument("--momentum", type=float, default=d["momentum"])
-    p.add_argument("--weight-decay", type=float, default=d["weight_decay"])
+                   help="resnet50: keras.applications.ResNet50(weights=None); tiny: a small CNN for tests")
+    p.add_argument("--image-size", type=int, default=d["image_size"], metavar="PIXELS",
+                   help="side of the square training and validation images (resnet50 needs at least 32)")
+    p.add_argument("--epochs", type=int, default=d["epochs"], help="epochs to train")
+    p.add_argument("--batch-schedule", default=d["batch_schedule"], metavar="EPOCH:BATCH,...",
+                   help="global batch (summed over ranks) from each 0-based epoch on; every batch must divide by "
+                   "the rank count")
+    p.add_argument("--optimizer", default=d["optimizer"], choices=["lars", "sgd"], help="LARS or SGD with momentum")
+    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate per --base-batch images "
+                   "(linear scaling: the peak follows the global batch)")
+    p.add_argument("--base-batch", type=int, default=d["base_batch"], metavar="N", help="batch --lr refers to")
+    p.add_argument("--warmup-epochs", type=float, default=d["warmup_epochs"], metavar="E",
+                   help="linear warm-up from 0 to the peak rate, then poly decay (power 2) to 0")
+    p.add_argument("--momentum", type=float, default=d["momentum"], help="optimizer momentum")
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"], help="L2 weight decay")
     p.add_argument("--trust", type=float, default=d["trust"], help="LARS trust coefficient")
-    p.add_argument("--label-smoothing", type=float, default=d["label_smoothing"])
-    p.add_argument("--bn-momentum", type=float, default=d["bn_momentum"], help="batch-norm moving-average momentum")
+    p.add_argument("--label-smoothing", type=float, default=d["label_smoothing"], help="cross-entropy smoothing")
+    p.add_argument("--bn-momentum", type=float, default=d["bn_momentum"],
+                   help="batch-norm moving-average momentum")
     p.add_argument("--mixed-precision", action="store_true", help="bfloat16 compute on CPU, float16 on GPU")
-    p.add_argument("--algorithm", default="auto", choices=["torus2d", "ring", "hierarchical", "native", "auto"])
-    p.add_argument("--dims", help="grid XxY for torus2d (default: MPI_Dims_create)")
-    p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
-    p.add_argument("--trainer", default="fit", choices=["fit", "loop"])
-    p.add_argument("--checkpoint-dir", help="write a checkpoint here after every epoch (rank 0)")
+    p.add_argument("--algorithm", default="auto", choices=["torus2d", "ring", "hierarchical", "native", "auto"],
+                   help="all-reduce of the gradients (auto: by size and rank count, torus/select.py)")
+    p.add_argument("--dims", metavar="XxY", help="torus2d grid, X*Y = the rank count (default: MPI_Dims_create's)")
+    p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"],
+                   help="wire format of the gradients")
+    p.add_argument("--trainer", default="fit", choices=["fit", "loop"],
+                   help="keras Model.fit, or a GradientTape loop")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="rank 0 writes a checkpoint here after every epoch, "
+                   "and summary.json at the end")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--summary", metavar="FILE", help="write the final summary (JSON) here "
+                   "(default: <checkpoint-dir>/summary.json with --checkpoint-dir, else nowhere)")
     p.add_argument("--synthetic", action="store_true", help="time steps on random tensors (no data)")
     p.add_argument("--steps", type=int, default=20, help="steps per epoch with --synthetic")
-    p.add_argument("--num-classes", type=int, help="classes (default: from the data; 1000 with --synthetic)")
-    p.add_argument("--augment", help="comma list of crop[=area],flip,rotate[=deg],color[=d],noise[=sd] or none "
-                   "(default: 'crop,flip' with --data, 'none' on the digits)")
-    p.add_argument("--on-bad-image", default="skip", choices=["skip", "fail"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank (default: cores / local ranks)")
-    p.add_argument("--tensorboard", help="TensorBoard log folder (default: <checkpoint-dir>/logs when set)")
-    p.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2], help="Keras progress bar on rank 0")
-    args = p.parse_args(argv)
+    p.add_argument("--num-classes", type=int, metavar="N",
+                   help="classes (default: from the data; 1000 with --synthetic)")
+    p.add_argument("--augment", metavar="LIST",
+                   help="comma list of crop[=area],flip,rotate[=deg],color[=d],noise[=sd] or none "
+                   "(default: crop,flip with --data, none on the digits)")
+    p.add_argument("--on-bad-image", default="skip", choices=["skip", "fail"],
+                   help="an unreadable image: skip it with a warning, or stop")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the shuffles and the augmentation")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="TensorFlow intra-op threads per rank (default: cores / ranks on the node)")
+    p.add_argument("--tensorboard", metavar="DIR", help="TensorBoard log folder (default: <checkpoint-dir>/logs "
+                   "with --checkpoint-dir, else none)")
+    p.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
+                   help="rank 0's output: 0 the summary only, 1 a progress bar on a terminal and a line per epoch, "
+                   "2 a line per epoch")
+    p.add_argument("--debug", action="store_true",
+                   help="show TensorFlow's start-up log and every failing rank's traceback")
+    return p
+
+
+def _check(p, args, size: int | None) -> None:
+    """Every argument check that needs no data and no TensorFlow (so a bad one fails in about a second); with
+    ``size`` (the rank count) also the grid and the batch schedule's divisibility."""
+    from torus.cli import parse_dims, writable_file
+    from torus.integrations.keras.schedule import BatchSizeSchedule
+    positive = {"epochs": args.epochs, "base_batch": args.base_batch, "steps": args.steps,
+                "threads": args.threads, "image_size": args.image_size}
+    for name, value in positive.items():
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    if args.model == "resnet50" and args.image_size < 32:
+        p.error(f"--image-size {args.image_size}: ResNet-50 needs at least 32 pixels (--model tiny takes less)")
+    if args.num_classes is not None and args.num_classes < 2:
+        p.error(f"--num-classes {args.num_classes}: must be at least 2")
+    for name in ("lr", "weight_decay", "trust", "warmup_epochs"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name):g}: must be >= 0")
+    for name in ("momentum", "label_smoothing", "bn_momentum"):
+        if not 0 <= getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name):g}: must be in [0, 1)")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
     if args.warmup_epochs >= args.epochs:
         p.error(f"--warmup-epochs {args.warmup_epochs:g} must be below --epochs {args.epochs} "
                 "(the learning rate decays after the warm-up)")
+    try:
+        schedule = BatchSizeSchedule(args.batch_schedule)
+        if args.dims:
+            parse_dims(args.dims, size)
+    except ValueError as e:
+        p.error(str(e).replace("BatchSizeSchedule: ", "--batch-schedule: "))
+    if size is not None:
+        uneven = sorted({b for _, _, b in schedule.segments(args.epochs) if b % size})
+        if uneven:
+            p.error(f"--batch-schedule {args.batch_schedule}: global batch {', '.join(map(str, uneven))} does not "
+                    f"divide into {size} ranks")
+    problem = writable_file("--summary", args.summary)
+    if problem:
+        p.error(problem)
+    for flag, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard)):
+        if folder and os.path.exists(folder) and not os.path.isdir(folder):
+            p.error(f"{flag} {folder}: exists and is not a folder")
+
+
+def parse_args(argv=None, size: int | None = None) -> argparse.Namespace:
+    """The command line as a namespace, every check of :func:`_check` passed; a usage error exits with
+    status 2 after one line from rank 0. ``size`` is the rank count, for the checks that need it."""
+    p = parser()
+    args = p.parse_args(argv)
+    _check(p, args, size)
     return args
 
 
@@ -86,11 +176,41 @@ def _local_size(comm) -> int:
         local.Free()
 
 
+# TensorFlow's start-up notices (oneDNN, CPU features, absl's "before InitializeLog" line), printed by C++
+# code during ``import tensorflow`` whatever TF_CPP_MIN_LOG_LEVEL says; warnings and errors still show.
+_STARTUP_NOISE = re.compile(r"WARNING: All log messages before absl::InitializeLog|I\d{4} [\d:.]+ +\d+ \S+\] "
+                            r"|To enable the following instructions")
+
+
+def _import_tensorflow(debug: bool):
+    """``import tensorflow, keras`` with the start-up notices left out (all of it shown with ``debug``)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if debug else "2")
+    if debug or "tensorflow" in sys.modules:
+        import keras
+        import tensorflow as tf
+        return tf, keras
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile("w+b") as captured:
+        os.dup2(captured.fileno(), 2)  # the notices come from C++, below sys.stderr
+        try:
+            import keras
+            import tensorflow as tf
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines()
+                    if line.strip() and not _STARTUP_NOISE.match(line)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+    return tf, keras
+
+
 def _configure_tensorflow(args, comm):
     """Threads per rank (ranks on a node share its cores) and the precision policy; before any TF op."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-    import keras
+    tf, keras = _import_tensorflow(args.debug)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = args.threads or max(1, cores // _local_size(comm))
     try:
@@ -132,19 +252,23 @@ def build_optimizer(args):
     return keras.optimizers.SGD(0.0, momentum=args.momentum, weight_decay=args.weight_decay or None)
 
 
+class _AgreedError(Exception):
+    """Marks a failure every rank raised together (after :func:`_collective`), so ranks may leave cleanly."""
+
+
 def _collective(comm, what: str, fn):
-    """Run ``fn()`` on every rank; when it raises on any rank, raise ``DataError`` on all of them (naming each
-    failing rank), so no rank waits in a collective that a failed rank will never reach."""
+    """Run ``fn()`` on every rank; when it raises on any rank, raise ``DataError`` on all of them with one line
+    naming each failing rank and its error, so no rank waits in a collective that a failed rank will never
+    reach."""
+    from torus.cli import JobError, agree
     from torus.integrations.keras.data import DataError
+
+    class AgreedDataError(DataError, _AgreedError):
+        pass
     try:
-        result, error = fn(), None
-    except (DataError, ValueError, OSError) as exc:
-        result, error = None, f"{type(exc).__name__}: {exc}"
-    failed = [(r, e) for r, e in enumerate(comm.allgather(error)) if e]
-    if failed:
-        raise DataError(f"{what} failed on rank(s) {', '.join(str(r) for r, _ in failed)}:\n"
-                        + "\n".join(f"[rank {r}] {e}" for r, e in failed))
-    return result
+        return agree(comm, what, fn, catch=(DataError, ValueError, OSError))
+    except JobError as exc:
+        raise AgreedDataError(str(exc)) from None
 
 
 def _average_variables(comm, variables) -> None:
@@ -189,6 +313,48 @@ def _clock_callback(clock: StepClock):
     import keras
     return keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: clock.start_epoch(),
                                           on_train_batch_end=lambda batch, logs: clock.step_done())
+
+
+def _launcher_terminal() -> bool:
+    """Whether this rank's output ends on a terminal: its own stdout, or under a local ``mpiexec`` (which pipes
+    the ranks' output) the launcher's. Unknown (a remote host, another launcher) counts as no terminal."""
+    if sys.stdout.isatty():
+        return True
+    pid = os.getppid()
+    for _ in range(3):  # rank -> hydra_pmi_proxy -> mpiexec
+        try:
+            proc = Path("/proc", str(pid))
+            if (proc / "comm").read_text().strip().startswith(("mpiexec", "mpirun")):
+                return os.path.realpath(proc / "fd" / "1").startswith(("/dev/pts/", "/dev/tty"))
+            pid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _progress_bar(steps: int, desc: str, enabled: bool):
+    """A tqdm bar on stdout for one epoch (cleared at its end; the epoch's line follows), or a no-op one."""
+    from tqdm import tqdm
+    return tqdm(total=steps, desc=desc, file=sys.stdout, leave=False, disable=not enabled, dynamic_ncols=True)
+
+
+def _progress_callback(trainer):
+    """Keras callback drawing rank 0's bar under ``model.fit`` (Keras' own progress is off: one ``fit`` call
+    per epoch gives it wrong epoch headers, and it writes bars into log files)."""
+    import keras
+
+    class Progress(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.bar = _progress_bar(trainer.epoch_steps, f"epoch {epoch + 1}/{trainer.args.epochs}", trainer.bar)
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.bar.update(1)
+            if logs and "loss" in logs and not self.bar.disable:
+                self.bar.set_postfix(loss=f"{float(logs['loss']):.4f}", refresh=False)
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.bar.close()
+    return Progress()
 
 
 class Trainer:
@@ -303,7 +469,7 @@ class Trainer:
         import keras
         from torus.integrations.keras.callbacks import BatchControl
         callbacks = self.strategy.callbacks() + [BatchControl(self.schedule, self.lr_rule),
-                                                 _clock_callback(self.clock)]
+                                                 _clock_callback(self.clock), _progress_callback(self)]
         logs = self.args.tensorboard or (self.args.checkpoint_dir and os.path.join(self.args.checkpoint_dir, "logs"))
         if logs and self.rank == 0:
             callbacks.append(keras.callbacks.TensorBoard(logs, update_freq="epoch"))
@@ -311,7 +477,7 @@ class Trainer:
 
     def _fit_epoch(self, dataset, epoch: int, steps: int, callbacks) -> dict:
         history = self.model.fit(dataset, initial_epoch=epoch, epochs=epoch + 1, steps_per_epoch=steps,
-                                 shuffle=False, callbacks=callbacks, verbose=self.args.verbose if self.rank == 0 else 0)
+                                 shuffle=False, callbacks=callbacks, verbose=0)
         return {k: float(v[-1]) for k, v in history.history.items()}
 
     def _loop_epoch(self, dataset, epoch: int, steps: int) -> dict:
@@ -320,7 +486,6 @@ class Trainer:
         import numpy as np
         import tensorflow as tf
         from mpi4py import MPI
-        from tqdm import tqdm
         model, optimizer = self.model, self.model.optimizer
         if not hasattr(self, "_step"):
             self.strategy.broadcast_variables(list(model.variables) + list(optimizer.variables))
@@ -337,14 +502,16 @@ class Trainer:
             self._step = step
         global_batch = self.schedule.global_batch(epoch)
         sums = np.zeros(3)
-        bar = tqdm(dataset, total=steps, desc=f"epoch {epoch + 1}", disable=self.rank != 0 or not self.args.verbose)
+        bar = _progress_bar(steps, f"epoch {epoch + 1}/{self.args.epochs}", self.bar)
         self.clock.start_epoch()
-        for batch, (x, y) in enumerate(bar):
+        for batch, (x, y) in enumerate(dataset):
             optimizer.learning_rate = self.lr_rule.lr(epoch + batch / steps, global_batch)
             loss, correct = self._step(x, y)
             self.clock.step_done()
             sums += (len(y) * float(loss), float(correct), len(y))
-            bar.set_postfix(loss=f"{sums[0] / sums[2]:.4f}", accuracy=f"{sums[1] / sums[2]:.4f}")
+            bar.update(1)
+            bar.set_postfix(loss=f"{sums[0] / sums[2]:.4f}", accuracy=f"{sums[1] / sums[2]:.4f}", refresh=False)
+        bar.close()
         self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         return {"loss": sums[0] / sums[2], "accuracy": sums[1] / sums[2], "global_batch": global_batch,
                 "learning_rate": float(np.asarray(optimizer.learning_rate))}
@@ -354,6 +521,8 @@ class Trainer:
         args = self.args
         start, history = self._resume()
         self.clock = StepClock()
+        # rank 0's bar only where a person watches (a terminal), never in a log file
+        self.bar = self.rank == 0 and args.verbose == 1 and _launcher_terminal()
         callbacks = self._callbacks() if args.trainer == "fit" else None
         t_start = time.perf_counter()
         for epoch in range(start, args.epochs):
@@ -364,6 +533,7 @@ class Trainer:
                 raise data.DataError(f"epoch {epoch}: the smallest rank's shard ({self.min_count} images) makes "
                                      f"no batch of {per_rank}")
             dataset = self._train_data(epoch, per_rank, steps)
+            self.epoch_steps = steps
             t0 = time.perf_counter()
             logs = self._fit_epoch(dataset, epoch, steps, callbacks) if args.trainer == "fit" \
                 else self._loop_epoch(dataset, epoch, steps)
@@ -379,14 +549,14 @@ class Trainer:
                                        central_fraction=0.875 if args.data else 1.0)
                 record["val_top1"], record["val_top5"] = self._evaluate(val)
             history.append(record)
-            if self.rank == 0:
+            if self.rank == 0 and args.verbose:
                 print("epoch {epoch}/{n}: batch {global_batch}, loss {loss:.4f}, accuracy {accuracy:.4f}, "
                       "{images_per_s:.1f} images/s".format(n=args.epochs, **record)
                       + (", val top-1 {val_top1:.4f}, top-5 {val_top5:.4f}".format(**record)
                          if "val_top1" in record else ""), flush=True)
-                if args.checkpoint_dir:
-                    checkpoint.save(args.checkpoint_dir, epoch + 1, self.model,
-                                    {"epoch": epoch + 1, "history": history, "args": vars(args)})
+            if self.rank == 0 and args.checkpoint_dir:
+                checkpoint.save(args.checkpoint_dir, epoch + 1, self.model,
+                                {"epoch": epoch + 1, "history": history, "args": vars(args)})
         return self._summary(history, time.perf_counter() - t_start)
 
     def _summary(self, history: list, seconds: float) -> dict:
@@ -401,32 +571,54 @@ class Trainer:
                    "compression": args.compression, "trainer": args.trainer, "model": args.model,
                    "image_size": args.image_size, "data": "synthetic" if args.synthetic else self.root,
                    "threads_per_rank": self.threads, "history": history}
-        if self.rank == 0 and args.checkpoint_dir:
-            with open(os.path.join(args.checkpoint_dir, "summary.json"), "w") as f:
+        path = self.summary_path()
+        if self.rank == 0 and path:
+            with open(path, "w") as f:
                 json.dump(summary, f, indent=1)
+                f.write("\n")
         return summary
+
+    def summary_path(self) -> str | None:
+        """Where rank 0 writes the JSON summary: ``--summary``, else ``<checkpoint-dir>/summary.json``."""
+        args = self.args
+        return args.summary or (os.path.join(args.checkpoint_dir, "summary.json") if args.checkpoint_dir else None)
+
+
+def summary_line(summary: dict) -> str:
+    """The run in one labelled line, for people (the JSON file has every figure)."""
+    val = "" if summary["val_top1"] is None else \
+        f"val top-1 {summary['val_top1']:.4f}, top-5 {summary['val_top5']:.4f}, "
+    speed = "" if summary["images_per_s"] is None else f"{summary['images_per_s']:.1f} images/s, "
+    grid = "x".join(map(str, summary["grid"]))
+    return (f"torus-train: done: {summary['epochs']} epochs in {summary['time_s']:.0f} s, {val}{speed}"
+            f"{summary['world_size']} ranks (grid {grid}, {summary['algorithm']}), {summary['model']} at "
+            f"{summary['image_size']}x{summary['image_size']}, {summary['trainer']}")
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
+    args = parse_args(argv, size=comm.Get_size())  # before TensorFlow: a bad argument fails in a second
+    if args.data is not None and not os.path.isdir(args.data):
+        from torus.cli import usage_error  # here, not in parse_args: Trainer reports it too (as DataError)
+        usage_error("torus-train", f"--data {args.data}: no such folder")
     threads = _configure_tensorflow(args, comm)
-    from torus.faults import abort_on_exception
-    from torus.integrations.keras.data import DataError
+    from torus.cli import FAILED, abort_on_error
     if comm.Get_size() > 1:
         # An error on one rank must end the whole job: otherwise the other ranks wait in the next
         # collective until the stall timeout (torus.faults explains what hydra does on its own).
-        abort_on_exception(comm)
+        abort_on_error(comm, "torus-train", args.debug)
     try:
-        summary = Trainer(args, comm, threads).run()
-    except DataError as exc:
-        print(f"torus-train: error on rank {comm.Get_rank()}: {exc}", file=sys.stderr, flush=True)
-        if comm.Get_size() > 1:
-            comm.Abort(2)
-        return 2
+        trainer = Trainer(args, comm, threads)
+        summary = trainer.run()
+    except _AgreedError as exc:  # every rank raised it together: one line from rank 0, no abort needed
+        if comm.Get_rank() == 0:
+            print(f"torus-train: error: {exc}", file=sys.stderr, flush=True)
+        return FAILED
     if comm.Get_rank() == 0:
-        print(json.dumps(summary), flush=True)
+        print(summary_line(summary), flush=True)
+        if trainer.summary_path():
+            print(f"torus-train: summary written to {trainer.summary_path()}", flush=True)
     return 0
 
 

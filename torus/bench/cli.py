@@ -3,20 +3,24 @@
     mpiexec -n 4 torus-bench allreduce -b 4 -e 64M -f 4 --algo torus2d,ring,native --plot busbw.png
 
 Rank 0 prints nccl-tests' columns (size, count, type, redop, then time, algbw, busbw and #wrong out of place
-and in place) with an algorithm column, then each algorithm's time over native's at each size.
+and in place) with an algorithm column, then each algorithm's time over native's at each size. Every argument
+is checked before the sweep starts: a bad one is one line from rank 0 and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
+from torus import cli
 from torus.bench import report
 from torus.bench.sweep import COLLECTIVES, moved_sizes, parse_size, size_steps, sweep
 from torus.ops import DTYPES, OPS
 from torus.select import ALGORITHMS
 
 _DTYPES = {str(d): d for d in DTYPES}
+_CHOICES = (*ALGORITHMS, "auto")
 
 
 def _size(text: str) -> int:
@@ -28,59 +32,83 @@ def _size(text: str) -> int:
 
 def _algorithms(text: str) -> list[str]:
     names = [a.strip() for a in text.split(",") if a.strip()]
-    bad = [a for a in names if a not in (*ALGORITHMS, "auto")]
+    bad = [a for a in names if a not in _CHOICES]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown algorithm(s) {bad}; expected a comma-separated list of "
-                                         f"{', '.join((*ALGORITHMS, 'auto'))}")
+        raise argparse.ArgumentTypeError(f"unknown algorithm(s) {', '.join(bad) or repr(text)}; expected a "
+                                         f"comma-separated list of {', '.join(_CHOICES)}")
     return list(dict.fromkeys(names))
 
 
 def _dims(text: str) -> tuple[int, int]:
     try:
-        x, y = (int(v) for v in text.lower().split("x"))
+        return cli.parse_dims(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"dims {text!r}: expected XxY, e.g. 2x2") from None
-    return x, y
+        raise argparse.ArgumentTypeError(f"{text!r}: expected XxY with X, Y >= 1, e.g. 2x2") from None
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="torus-bench", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("collective", choices=COLLECTIVES)
-    ap.add_argument("-b", "--minbytes", type=_size, default=parse_size("4"), help="smallest size (B; K/M/G)")
-    ap.add_argument("-e", "--maxbytes", type=_size, default=parse_size("64M"), help="largest size (B; K/M/G)")
-    ap.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
-    ap.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size and placement")
-    ap.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations before timing")
+    ap = cli.ArgumentParser(prog="torus-bench", description=__doc__)
+    ap.add_argument("collective", choices=COLLECTIVES, help="which collective to time")
+    ap.add_argument("-b", "--minbytes", type=_size, metavar="SIZE", default="4",
+                    help="smallest size in bytes (K, M, G: binary)")
+    ap.add_argument("-e", "--maxbytes", type=_size, metavar="SIZE", default="64M",
+                    help="largest size in bytes (K, M, G: binary)")
+    ap.add_argument("-f", "--stepfactor", type=int, metavar="F", default=2, help="multiply the size by this each step")
+    ap.add_argument("-n", "--iters", type=int, metavar="N", default=20, help="timed iterations per size and placement")
+    ap.add_argument("-w", "--warmup_iters", type=int, metavar="N", default=5, help="untimed iterations before timing")
     ap.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
-                    help="count wrong elements against the closed-form result (one untimed call)")
-    ap.add_argument("-d", "--datatype", choices=tuple(_DTYPES), default="float32")
+                    help="1: count wrong elements against the closed-form result (one untimed call); 0: skip")
+    ap.add_argument("-d", "--datatype", choices=tuple(_DTYPES), default="float32", help="element type")
     ap.add_argument("-o", "--op", choices=OPS, default="sum", help="reduction (ignored by allgather)")
-    ap.add_argument("--algo", type=_algorithms, default=["ring", "hierarchical", "torus2d", "native", "auto"],
-                    help="comma-separated algorithms, in table order")
-    ap.add_argument("--dims", type=_dims, default=None, help="grid XxY (default: MPI.Compute_dims)")
+    ap.add_argument("--algo", type=_algorithms, metavar="LIST", default=",".join(_CHOICES),
+                    help=f"comma-separated algorithms, in table order, from {', '.join(_CHOICES)}")
+    ap.add_argument("--dims", type=_dims, metavar="XxY", default=None,
+                    help="grid XxY with X*Y = the rank count (default: MPI_Dims_create's)")
     ap.add_argument("--json", metavar="FILE", help="write every figure and the environment as JSON")
     ap.add_argument("--csv", metavar="FILE", help="write every figure as CSV (environment in # lines)")
-    ap.add_argument("--plot", metavar="FILE.png", help="draw busbw against size, one line per algorithm")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw busbw against size, one line per algorithm "
+                    "(needs matplotlib: pip install 'torus[bench]')")
+    ap.add_argument("--debug", action="store_true", help="print every failing rank's traceback")
     return ap
+
+
+def _check(ap, args, size: int) -> None:
+    """Every check that needs no communication, so a bad argument fails before the sweep (exit status 2)."""
+    dtype = _DTYPES[args.datatype]
+    if args.op == "avg" and dtype.kind == "i" and args.collective != "allgather":
+        ap.error(f"-o avg is not defined for {dtype}")
+    if args.iters < 1 or args.warmup_iters < 0:
+        ap.error("need -n >= 1 and -w >= 0")
+    if args.dims is not None and args.dims[0] * args.dims[1] != size:
+        x, y = args.dims
+        ap.error(f"--dims {x}x{y}: {x * y} ranks, but this job has {size}")
+    for flag in ("json", "csv", "plot"):
+        problem = cli.writable_file(f"--{flag}", getattr(args, flag))
+        if problem:
+            ap.error(problem)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib (pip install matplotlib)")
 
 
 def main(argv=None) -> int:
     """Run the sweep on every rank; rank 0 prints and writes. Returns 1 if any element was wrong."""
+    from mpi4py import MPI
     ap = parser()
     args = ap.parse_args(argv)
-    dtype = _DTYPES[args.datatype]
-    if args.op == "avg" and dtype.kind == "i" and args.collective != "allgather":
-        ap.error(f"op avg is not defined for {dtype}")
-    if args.iters < 1 or args.warmup_iters < 0:
-        ap.error("need -n >= 1 and -w >= 0")
+    world = MPI.COMM_WORLD
+    _check(ap, args, world.Get_size())
     try:
         steps = size_steps(args.minbytes, args.maxbytes, args.stepfactor)
     except ValueError as e:
         ap.error(str(e))
+    dtype = _DTYPES[args.datatype]
 
-    from torus import TorusComm  # after argument errors, which should not need MPI
-    tc = TorusComm(dims=args.dims)
+    from torus import TorusComm
+    try:
+        tc = cli.agree(world, "torus-bench: TorusComm", lambda: TorusComm(dims=args.dims), debug=args.debug)
+    except cli.JobError as e:
+        return cli.report(world, "torus-bench", e)
+    cli.abort_on_error(world, "torus-bench", args.debug)
     sizes = moved_sizes(args.collective, steps, dtype.itemsize, tc.size)
     op = args.op if args.collective != "allgather" else "none"
     settings = {"collective": args.collective, "sizes": sizes, "algorithms": args.algo, "dtype": str(dtype),

@@ -12,10 +12,13 @@ Sizes are bytes of the whole buffer (binary K/M/G, as torus-bench); times in sec
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import os
 import sys
 
+from torus import cli
 from torus.bench.sweep import format_size, parse_size, size_steps
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
 from torus.sim.plans import ALGORITHMS, COLLECTIVES
@@ -37,11 +40,18 @@ def _list(kind, choices=None):
     return parse
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _dims(text: str) -> tuple[int, int]:
     try:
         x, y = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"dims {text!r}: expected XxY, e.g. 32x68") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected XxY, e.g. 32x68") from None
     return x, y
 
 
@@ -52,35 +62,69 @@ def default_dims(n: int) -> tuple[int, int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="torus-sim", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = cli.ArgumentParser(prog="torus-sim", description=__doc__)
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--sweep", action="store_true", help="sizes -b..-e by -f (and every --ranks)")
-    mode.add_argument("--paper", action="store_true", help="Mikami et al. 2018 section 3.2 comparison")
-    mode.add_argument("--fit", action="store_true", help="measure alpha, beta, gamma (under mpiexec -n K, "
-                      "the rank count you will --validate or predict)")
-    mode.add_argument("--validate", action="store_true", help="measured vs predicted (under mpiexec)")
-    ap.add_argument("--ranks", type=_list(int), default=[16], help="rank counts (comma-separated)")
-    ap.add_argument("--dims", type=_dims, default=None, help="grid XxY (default: as square as possible)")
-    ap.add_argument("--nbytes", type=_list(parse_size), default=[parse_size("100M")], help="sizes")
-    ap.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="--sweep: smallest")
-    ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("1G"), help="--sweep: largest")
-    ap.add_argument("-f", "--stepfactor", type=int, default=4, help="--sweep: size factor")
-    ap.add_argument("--dtype", choices=tuple(ITEMSIZE), default="float32")
-    ap.add_argument("--algo", type=_list(str, ALGORITHMS), default=list(ALGORITHMS))
-    ap.add_argument("--collective", type=_list(str, COLLECTIVES), default=["allreduce"])
-    ap.add_argument("--alpha", type=float, default=1e-6, help="s per message (intra-node)")
-    ap.add_argument("--beta", type=float, default=1e-10, help="s per byte (intra-node)")
-    ap.add_argument("--gamma", type=float, default=0.0, help="s per reduced byte")
-    ap.add_argument("--ranks-per-node", type=int, default=1, help="ranks per node (hierarchical's local size)")
-    ap.add_argument("--inter-alpha", type=float, default=None, help="s per message between nodes")
-    ap.add_argument("--inter-beta", type=float, default=None, help="s per byte between nodes")
-    ap.add_argument("--segment-bytes", type=parse_size, default=None, help="pipelining unit (none: whole)")
-    ap.add_argument("--params", default=None, help="JSON with alpha/beta/gamma (from --fit); flags override")
-    ap.add_argument("--method", choices=("auto", "full", "orbit"), default="auto")
-    ap.add_argument("--json", default=None, help="write results here")
-    ap.add_argument("--plot", default=None, help="write a PNG of time against size here (--sweep)")
+    mode.add_argument("--sweep", action="store_true", help="every size from -b to -e by -f, at every --ranks")
+    mode.add_argument("--paper", action="store_true",
+                      help="the comparison of Mikami et al. 2018 section 3.2 (1,088 and 2,176 ranks), with who wins")
+    mode.add_argument("--fit", action="store_true", help="measure alpha, beta, gamma on this machine (under "
+                      "mpiexec -n K, the rank count you will --validate or predict)")
+    mode.add_argument("--validate", action="store_true", help="measured against predicted times (under mpiexec)")
+    ap.add_argument("--ranks", type=_list(int), default="16", metavar="N[,N...]", help="rank counts")
+    ap.add_argument("--dims", type=_dims, default=None, metavar="XxY",
+                    help="grid, X*Y = --ranks (default: as square as possible)")
+    ap.add_argument("--nbytes", type=_list(_size), default="100M", metavar="SIZE[,SIZE...]",
+                    help="buffer sizes in bytes (K, M, G: binary)")
+    ap.add_argument("-b", "--minbytes", type=_size, default="1K", metavar="SIZE", help="--sweep: smallest size")
+    ap.add_argument("-e", "--maxbytes", type=_size, default="1G", metavar="SIZE", help="--sweep: largest size")
+    ap.add_argument("-f", "--stepfactor", type=int, default=4, metavar="F", help="--sweep: size factor per step")
+    ap.add_argument("--dtype", choices=tuple(ITEMSIZE), default="float32", help="element type")
+    ap.add_argument("--algo", type=_list(str, ALGORITHMS), default=",".join(ALGORITHMS), metavar="LIST",
+                    help=f"comma-separated, from {', '.join(ALGORITHMS)}")
+    ap.add_argument("--collective", type=_list(str, COLLECTIVES), default="allreduce", metavar="LIST",
+                    help=f"comma-separated, from {', '.join(COLLECTIVES)}")
+    ap.add_argument("--alpha", type=float, default=1e-6, help="seconds per message within a node")
+    ap.add_argument("--beta", type=float, default=1e-10, help="seconds per byte within a node")
+    ap.add_argument("--gamma", type=float, default=0.0, help="seconds per byte reduced")
+    ap.add_argument("--ranks-per-node", type=int, default=1, metavar="L",
+                    help="ranks per node (hierarchical's local size; the two cost levels)")
+    ap.add_argument("--inter-alpha", type=float, default=None, help="seconds per message between nodes "
+                    "(default: --alpha)")
+    ap.add_argument("--inter-beta", type=float, default=None, help="seconds per byte between nodes "
+                    "(default: --beta)")
+    ap.add_argument("--segment-bytes", type=_size, default=None, metavar="SIZE",
+                    help="pipelining unit in bytes (default: none, whole chunks)")
+    ap.add_argument("--params", default=None, metavar="FILE",
+                    help="JSON with alpha/beta/gamma (from --fit); flags given on the command line override it")
+    ap.add_argument("--method", choices=("auto", "full", "orbit"), default="auto",
+                    help="replay every rank (full), one rank per symmetry class (orbit), or pick (auto)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    ap.add_argument("--plot", default=None, metavar="FILE.png", help="--sweep: write a PNG of time against size "
+                    "(needs matplotlib)")
     return ap
+
+
+def _check(ap, args) -> None:
+    """Argument errors that argparse cannot see, before any replay (exit status 2, one line)."""
+    for flag in ("json", "plot"):
+        problem = cli.writable_file(f"--{flag}", getattr(args, flag))
+        if problem:
+            ap.error(problem)
+    if args.params and not os.path.isfile(args.params):
+        ap.error(f"--params {args.params}: no such file")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib (pip install matplotlib)")
+    if args.dims is not None and len(args.ranks) > 1:
+        ap.error("--dims needs a single --ranks")
+    if args.dims is not None and args.dims[0] * args.dims[1] != args.ranks[0]:
+        ap.error(f"--dims {args.dims[0]}x{args.dims[1]} does not multiply to --ranks {args.ranks[0]}")
+    if args.ranks_per_node < 1 or min(args.ranks) < 1:
+        ap.error("--ranks and --ranks-per-node must be at least 1")
+    if args.sweep:
+        try:
+            size_steps(args.minbytes, args.maxbytes, args.stepfactor)
+        except ValueError as e:
+            ap.error(str(e))
 
 
 def cost_from(args, argv) -> Cost:
@@ -138,7 +182,12 @@ def plot(results, path: str, cost: Cost) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser().parse_args(argv)
+    ap = parser()
+    try:
+        args = ap.parse_args(argv)
+        _check(ap, args)
+    except SystemExit as e:  # a usage error (one line, from rank 0) or --help
+        return e.code
     if args.fit or args.validate:
         from torus.sim import fit
         return fit.main(args, cost_from(args, argv))
@@ -147,14 +196,10 @@ def main(argv=None) -> int:
     if args.paper:
         from torus.sim import paper
         rows = paper.rows(cost=cost, dtype=args.dtype)
-        print(f"# Mikami et al. 2018 sec. 3.2, M = {paper.RESNET50_NBYTES} B (ResNet-50 float32), "
-              f"{paper.RANKS_PER_NODE} ranks per node; cost {cost}")
+        print("\n".join(paper.header(cost)))
         print(paper.table(rows))
         out["paper"] = rows
     else:
-        if args.dims is not None and len(args.ranks) > 1:
-            print("torus-sim: --dims needs a single --ranks", file=sys.stderr)
-            return 2
         sizes = size_steps(args.minbytes, args.maxbytes, args.stepfactor) if args.sweep else args.nbytes
         results = []
         print(HEADER)

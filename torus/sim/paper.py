@@ -51,15 +51,75 @@ def rows(nbytes: int = RESNET50_NBYTES, cost: Cost = Cost(), dtype: str = "float
     return out
 
 
+_ALGORITHMS = ("ring", "hierarchical", "torus2d")
+
+
+def _matches(r, rel: float = 1e-4) -> bool:
+    """Whether the simulated steps, off-node bytes and time equal the closed form; ``rel`` allows for the
+    closed form's even split where M does not divide into equal chunks (a few bytes per rank)."""
+    closed = r["inter_rank_closed"]
+    same_bytes = closed is None or abs(r["inter_rank_max"] - closed) <= rel * closed
+    return r["steps"] == r["steps_closed"] and same_bytes and abs(r["time"] - r["time_closed"]) <= rel * r["time"]
+
+
+def conclusion(grid_rows) -> str:
+    """One line: which algorithm is fastest on this grid, by how much, and why (fewer steps, or fewer bytes
+    sent off the node), from the simulated figures."""
+    ranked = sorted(grid_rows, key=lambda r: r["time"])
+    best, second = ranked[0], ranked[1]
+    speedups = ", ".join(f"{r['time'] / best['time']:.2f}x faster than {r['algorithm']}" for r in ranked[1:])
+    why = []
+    if second["steps"] >= 1.2 * best["steps"]:
+        why.append(f"{best['steps']} steps against {second['steps']} (each step pays the latency alpha)")
+    if second["inter_rank_max"] >= 1.2 * best["inter_rank_max"]:
+        why.append(f"{second['inter_rank_max'] / best['inter_rank_max']:.0f}x fewer bytes off the node per rank "
+                   f"({best['inter_rank_max'] / 1e6:.0f} MB against {second['inter_rank_max'] / 1e6:.0f} MB)")
+    if not why:
+        why.append(f"as many steps ({best['steps']} against {second['steps']}) and off-node bytes as "
+                   f"{second['algorithm']}; the difference is in which links the bytes cross")
+    return f"{best['algorithm']} wins ({speedups}): " + "; ".join(why)
+
+
+def _si(x: float, unit: str) -> str:
+    """``5e-06, "s"`` -> ``"5 us"``."""
+    for scale, prefix in ((1, ""), (1e-3, "m"), (1e-6, "u")):
+        if abs(x) >= scale * (1 - 1e-9):
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x / 1e-9:.3g} n{unit}"
+
+
+def header(cost: Cost, nbytes: int = RESNET50_NBYTES) -> list[str]:
+    """What the table shows and under which costs, as '#' lines."""
+    inter_a = cost.alpha if cost.inter_alpha is None else cost.inter_alpha
+    inter_b = cost.beta if cost.inter_beta is None else cost.inter_beta
+
+    def level(a, b):
+        return f"alpha {_si(a, 's')} per message, beta {b:g} s/B ({1 / b / 1e9:.3g} GB/s)" if b else \
+            f"alpha {_si(a, 's')} per message, beta 0"
+    return [
+        (f"# torus-sim --paper: Mikami et al. 2018 (arXiv:1811.05233) section 3.2, all-reduce of ResNet-50's "
+         f"float32 gradients (M = {nbytes / 2**20:.1f} MiB), {RANKS_PER_NODE} ranks per node"),
+        f"# cost within a node: {level(cost.alpha, cost.beta)}, gamma {cost.gamma:g} s per byte reduced",
+        f"# cost between nodes: {level(inter_a, inter_b)}",
+        ("# per algorithm: steps = messages in sequence on a rank; off-node = MB the busiest rank sends to other "
+         "nodes; ms = predicted time"),
+        ("# every figure is the simulated replay of torus' own schedule; * marks one that differs from the "
+         "paper's closed form"),
+    ]
+
+
 def table(rs) -> str:
-    head = (f"{'ranks':>6} {'grid':>7} {'algorithm':>12} {'steps':>6} {'closed':>6} {'inter payload':>13} "
-            f"{'inter MB/rank':>13} {'closed':>8} {'inter MB/node':>13} {'time ms':>9} {'closed':>9}")
-    lines = [head]
-    for r in rs:
-        closed = "-" if r["inter_rank_closed"] is None else f"{r['inter_rank_closed'] / 1e6:.2f}"
-        payload = "M" if r["payload_closed"] == rs[0]["payload_closed"] else \
-            f"M/{round(rs[0]['payload_closed'] / r['payload_closed'])}"
-        lines.append(f"{r['ranks']:>6} {r['grid']:>7} {r['algorithm']:>12} {r['steps']:>6} {r['steps_closed']:>6} "
-                     f"{payload:>13} {r['inter_rank_max'] / 1e6:>13.2f} {closed:>8} "
-                     f"{r['inter_node_max'] / 1e6:>13.2f} {r['time'] * 1e3:>9.3f} {r['time_closed'] * 1e3:>9.3f}")
+    """One row per grid with each algorithm's steps, off-node MB and time, then a line saying who wins."""
+    cell = 8 + 1 + 9 + 1 + 8
+    lines = ["#" + " " * 21 + "".join(f"{a:^{cell + 3}}" for a in _ALGORITHMS),
+             f"#{'ranks':>5} {'grid':>7} {'nodes':>6}" + f"   {'steps':>8} {'off-node':>9} {'ms':>8}" * 3]
+    grids = list(dict.fromkeys((r["ranks"], r["grid"]) for r in rs))
+    for ranks, grid in grids:
+        mine = {r["algorithm"]: r for r in rs if (r["ranks"], r["grid"]) == (ranks, grid)}
+        line = f" {ranks:>5} {grid:>7} {mine[_ALGORITHMS[0]]['nodes']:>6}"
+        for a in _ALGORITHMS:
+            r = mine[a]
+            mark = " " if _matches(r) else "*"
+            line += f"   {r['steps']:>8} {r['inter_rank_max'] / 1e6:>9.1f} {r['time'] * 1e3:>7.2f}{mark}"
+        lines += [line, "      -> " + conclusion(list(mine.values()))]
     return "\n".join(lines)

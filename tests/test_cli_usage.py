@@ -1,0 +1,116 @@
+"""Bad command lines under ``mpiexec -n 2``: one line on stderr from rank 0, exit status 2, nothing on stdout,
+and for torus-train before TensorFlow is imported (a ``tensorflow`` that raises on import sits first on the
+path, so reaching the import would end differently). Each case is a fresh 2-rank job of about a second.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
+
+
+@pytest.fixture(scope="module")
+def no_tensorflow(tmp_path_factory) -> Path:
+    """A folder holding a ``tensorflow`` package whose import fails loudly."""
+    root = tmp_path_factory.mktemp("fake-tf")
+    (root / "tensorflow").mkdir()
+    (root / "tensorflow" / "__init__.py").write_text("raise ImportError('tensorflow imported before validation')\n")
+    return root
+
+
+def _job(module: str, *args: str, ranks: int = 2, pythonpath: Path | None = None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_LOCAL"))}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
+    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", module, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+
+
+TRAIN = "torus.integrations.keras.train"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--dims", "3x3"], "--dims 3x3: 3x3 = 9 ranks, but this job has 2"),
+    (["--dims", "banana"], "--dims 'banana': expected XxY"),
+    (["--batch-schedule", "0:63"], "global batch 63 does not divide into 2 ranks"),
+    (["--batch-schedule", "0:64,3:99", "--epochs", "4"], "global batch 99 does not divide into 2 ranks"),
+    (["--batch-schedule", "5:64"], "needs an entry for epoch 0"),
+    (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
+    (["--image-size", "16"], "ResNet-50 needs at least 32 pixels"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--summary", "/no/such/dir/s.json"], "folder /no/such/dir does not exist"),
+    (["--data", "/no/such/folder"], "--data /no/such/folder: no such folder"),
+])
+def test_train_usage_error_is_one_line_before_tensorflow(no_tensorflow, args, expected):
+    proc = _job(TRAIN, *args, pythonpath=no_tensorflow)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torus-train: error: ") and expected in lines[0], proc.stderr
+
+
+def test_train_help_prints_once(no_tensorflow):
+    proc = _job(TRAIN, "--help", pythonpath=no_tensorflow)
+    assert proc.returncode == 0 and proc.stdout.count("usage: torus-train") == 1, proc.stdout + proc.stderr
+    options = re.split(r"\n  (?=-)", proc.stdout)
+    assert all(option.count("default") <= 1 for option in options), proc.stdout  # each default said once
+    assert "--batch-schedule" in proc.stdout and "``" not in proc.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["allreduce", "--dims", "3x1"], "--dims 3x1: 3 ranks, but this job has 2"),
+    (["allreduce", "--plot", "/no/such/dir/x.png"], "--plot /no/such/dir/x.png: folder /no/such/dir does not exist"),
+    (["allreduce", "--algo", "ring,banana"], "unknown algorithm(s) banana"),
+    (["allreduce", "-e", "64Q"], "size '64Q'"),
+    (["allreduce", "-d", "int32", "-o", "avg"], "-o avg is not defined for int32"),
+])
+def test_bench_usage_error_is_one_line(args, expected):
+    proc = _job("torus.bench.cli", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torus-bench: error: ") and expected in lines[0], proc.stderr
+
+
+def test_bench_help_shows_sizes_in_units():
+    proc = _job("torus.bench.cli", "--help")
+    assert proc.returncode == 0 and proc.stdout.count("usage: torus-bench") == 1
+    assert "(default: 64M)" in proc.stdout and "67108864" not in proc.stdout and "['" not in proc.stdout
+
+
+def test_sim_usage_errors(tmp_path):
+    from torus.sim.cli import main
+    assert main(["--ranks", "6", "--dims", "4x2"]) == 2
+    assert main(["--sweep", "--plot", str(tmp_path / "missing" / "x.png")]) == 2
+    assert main(["--params", str(tmp_path / "none.json")]) == 2
+
+
+@pytest.mark.parametrize("module", ["torus.integrations.keras.train", "torus.bench.cli", "torus.sim.cli"])
+def test_every_flag_has_help(module):
+    import importlib
+    parser = importlib.import_module(module).parser()
+    assert [a.dest for a in parser._actions if not a.help] == []
+
+
+def test_failure_on_one_rank_is_one_line_and_ends_the_job(tmp_path):
+    """Rank 1 raises while rank 0 waits in a barrier it will never complete: one line, then MPI_Abort."""
+    script = tmp_path / "fails.py"
+    script.write_text("from mpi4py import MPI\nfrom torus import cli\ncomm = MPI.COMM_WORLD\n"
+                      "cli.abort_on_error(comm, 'demo')\nif comm.Get_rank() == 1:\n"
+                      "    raise ValueError('bad shard\\n  on two lines')\ncomm.Barrier()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_LOCAL"))}
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=60, check=False)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("demo:")]
+    assert ours == ["demo: rank 1 failed: ValueError: bad shard on two lines (--debug shows the traceback)"], \
+        proc.stderr
+    assert "Traceback" not in proc.stderr
