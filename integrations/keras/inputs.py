@@ -17,7 +17,8 @@ What each kind of input does (Keras turns every kind into a ``tf.data`` dataset 
   :func:`epoch_order` over batch indices (``use_multiprocessing=True`` with shuffling is refused: the
   workers would not see the epoch).
 - Python generators and ``tf.data`` datasets the user batched with ``B``: global batches, split per batch.
-  Every rank must produce the same batches (same seed, same files).
+  Every rank must produce the same batches (same seed, same files). Generators go through :class:`Replay`
+  so that Keras' first-batch peek under a strategy loses none of them.
 - ``tf.data`` datasets marked as already per rank (``strategy.shard(dataset)`` before batching, or
   :func:`per_rank` on one built per rank, e.g. ``torus.integrations.keras.data``): used as they are, each
   rank's batch is its share. Their step counts are compared across ranks when ``fit`` starts (unknown
@@ -35,13 +36,15 @@ count; ``predict`` returns every row in input order on every rank (rows gathered
 """
 from __future__ import annotations
 
+import inspect
+import itertools
 import math
 import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
 
 from torus.integrations.keras import fit_hook
 
@@ -125,6 +128,43 @@ class AgreedOrder(keras.utils.PyDataset):
             self.source.on_epoch_end()
 
 
+class Replay:
+    """A Python generator of batches as a ``tf.data`` dataset that loses none of them to Keras' peek.
+
+    Under any tf.distribute strategy, fit and evaluate first draw one batch from a fresh iterator to build
+    the model, then iterate again; a generator cannot restart, so that peek (and its prefetch) would swallow
+    batches one process trains on. Here every odd-numbered iterator is taken for that peek: what it pulls is
+    served again, first, by the next one. (Predict does not peek and is left alone.)"""
+
+    def __init__(self, generator):
+        self.generator = iter(generator)
+        self.pulled = list(itertools.islice(self.generator, data_adapter_utils.NUM_BATCHES_FOR_TENSOR_SPEC))
+        if not self.pulled or not isinstance(self.pulled[0], tuple):
+            raise ValueError("TorusStrategy: a generator passed to fit/evaluate must yield tuples (x,), (x, y) "
+                             "or (x, y, sample_weight), and at least one")
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls % 2:
+            yield from self.pulled
+            for item in self.generator:
+                self.pulled.append(item)
+                yield item
+        else:
+            replay, self.pulled = self.pulled, []
+            yield from replay
+            yield from self.generator
+
+    def dataset(self) -> tf.data.Dataset:
+        spec = data_adapter_utils.get_tensor_spec(self.pulled)
+        return tf.data.Dataset.from_generator(self, output_signature=spec)
+
+
+def _is_generator(x) -> bool:
+    return inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__"))
+
+
 def _agreed_seed(strategy) -> int:
     mine = int(np.random.randint(2 ** 31 - 1)) if strategy.is_chief else None
     return strategy.torus_comm.comm.bcast(mine, root=0)
@@ -160,8 +200,14 @@ def prepare_inputs(active, method: str, arguments: dict) -> dict:
     if method == "predict" and strategy.size > 1 and arguments["self"].steps_per_execution > 1:
         raise ValueError(f"TorusStrategy predict on rank {strategy.rank}: steps_per_execution > 1 is not "
                          "supported (rows are gathered per batch); compile with steps_per_execution=1")
+    if method == "evaluate" and _is_generator(arguments["x"]):
+        arguments["x"] = Replay(arguments["x"]).dataset()
     if method != "fit":
         return arguments
+    if _is_generator(arguments["validation_data"]):
+        arguments["validation_data"] = Replay(arguments["validation_data"]).dataset()
+    if _is_generator(arguments["x"]):
+        arguments["x"] = Replay(arguments["x"]).dataset()
     x, shuffle = arguments["x"], arguments["shuffle"]
     clock = {"epoch": arguments["initial_epoch"]}
     _state["clock"] = clock
