@@ -223,7 +223,8 @@ def prepare_inputs(active, method: str, arguments: dict) -> dict:
             source = (arguments["x"], arguments["y"], arguments["sample_weight"])
             arguments.update(x=AgreedOrder(source, _agreed_seed(strategy), clock, batch_size=batch_size,
                                            within_batches=shuffle == "batch"),
-                             y=None, sample_weight=None, batch_size=None, shuffle=False)
+                             y=None, sample_weight=None, batch_size=None, shuffle=False,
+                             validation_batch_size=arguments["validation_batch_size"] or batch_size)
     elif isinstance(x, keras.utils.PyDataset) and shuffle:
         if x.use_multiprocessing:
             raise ValueError(f"TorusStrategy fit on rank {strategy.rank}: a PyDataset with "
@@ -248,6 +249,11 @@ def split_batches(strategy, dataset: tf.data.Dataset) -> tf.data.Dataset:
     if is_per_rank(dataset):
         return _equal_steps(strategy, dataset) if mode == "train" else dataset
     rank, size = strategy.rank, strategy.size
+    for spec in tf.nest.flatten(dataset.element_spec):
+        if not isinstance(spec, (tf.TensorSpec, tf.RaggedTensorSpec)) or spec.shape.rank == 0:
+            raise ValueError(f"TorusStrategy on rank {rank}: cannot split a dataset element {spec} into per-rank "
+                             "shares (only batched dense or ragged tensors split by rows); batch the dataset, or "
+                             "feed each rank its own share with strategy.shard(dataset) before batching")
 
     def first(element):
         return tf.shape(tf.nest.flatten(element)[0])[0]
