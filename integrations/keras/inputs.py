@@ -99,7 +99,10 @@ class AgreedOrder(keras.utils.PyDataset):
         self.source, self.seed, self.clock = source, seed, clock
         self.batch_size, self.within_batches = batch_size, within_batches
         if template is None:
-            self._rows = keras.tree.map_structure(np.asarray, tuple(part for part in source if part is not None))
+            parts = list(source)
+            while parts[-1] is None:  # (x, None, None) -> (x,); a None before a given part stays (Keras' rule)
+                parts.pop()
+            self._rows = keras.tree.map_structure(np.asarray, tuple(parts))
             self._count = int(keras.tree.flatten(self._rows)[0].shape[0])
         else:
             self._count = len(source)
@@ -119,9 +122,12 @@ class AgreedOrder(keras.utils.PyDataset):
         order = self._order()
         if self.batch_size is None:
             return self.source[int(order[index])]
-        rows = np.sort(order[index * self.batch_size:(index + 1) * self.batch_size]) \
-            if self.within_batches else order[index * self.batch_size:(index + 1) * self.batch_size]
+        rows = order[index * self.batch_size:(index + 1) * self.batch_size]
         return keras.tree.map_structure(lambda a: a[rows], self._rows)
+
+    def on_epoch_begin(self):
+        if self.batch_size is None:
+            self.source.on_epoch_begin()
 
     def on_epoch_end(self):
         if self.batch_size is None:
