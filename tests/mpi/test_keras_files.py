@@ -87,7 +87,7 @@ def test_checkpoint_and_loggers_write_on_the_chief_only(world, strategy, tmp_pat
         saved = keras.models.load_model(tmp_path / "ckpt" / "model-2.keras")
         for a, b in zip(saved.get_weights(), model.get_weights()):
             np.testing.assert_array_equal(a, b)
-        assert len(open(tmp_path / "log.csv").read().splitlines()) == 3  # header and two epochs
+        assert len((tmp_path / "log.csv").read_text().splitlines()) == 3  # header and two epochs
     else:
         assert written == [], f"rank {strategy.rank} wrote {written}"
 
