@@ -19,11 +19,11 @@ What each kind of input does (Keras turns every kind into a ``tf.data`` dataset 
 - Python generators and ``tf.data`` datasets the user batched with ``B``: global batches, split per batch.
   Every rank must produce the same batches (same seed, same files). Generators go through :class:`Replay`
   so that Keras' first-batch peek under a strategy loses none of them.
-- ``tf.data`` datasets marked as already per rank (``strategy.shard(dataset)`` before batching, or
-  :func:`per_rank` on one built per rank, e.g. ``torus.integrations.keras.data``): used as they are, each
-  rank's batch is its share. Their step counts are compared across ranks when ``fit`` starts (unknown
-  cardinality: one counting pass over the dataset) and equalised to the smallest with a warning naming
-  every rank's count (``dataset.take``).
+- ``tf.data`` datasets marked as already per rank (``strategy.shard(dataset)`` or ``dataset.shard(N, rank)``
+  before batching, or :func:`per_rank` on one built per rank, e.g. ``torus.integrations.keras.data``): used
+  as they are, each rank's batch is its share. Their step counts are compared across ranks when ``fit``
+  starts (unknown cardinality: one counting pass over the dataset) and equalised to the smallest with a
+  warning naming every rank's count (``dataset.take``).
 
 Training needs equal per-rank batches for exactness (Keras' loss scaling by ``1 / N``), so ``fit`` refuses a
 global batch that does not split evenly: ``batch_size`` not a multiple of N, or a last partial batch of
@@ -60,8 +60,9 @@ def per_rank(dataset: tf.data.Dataset) -> tf.data.Dataset:
     return dataset
 
 
-def is_per_rank(dataset: tf.data.Dataset) -> bool:
-    """Whether ``dataset`` or any dataset it was built from was marked by :func:`per_rank`."""
+def is_per_rank(dataset: tf.data.Dataset, size: int | None = None) -> bool:
+    """Whether ``dataset`` or any dataset it was built from was marked by :func:`per_rank`, or (given the
+    rank count ``size``) went through ``Dataset.shard(size, ...)``."""
     todo, seen = [dataset], set()
     while todo:
         ds = todo.pop()
@@ -69,6 +70,9 @@ def is_per_rank(dataset: tf.data.Dataset) -> bool:
             continue
         seen.add(id(ds))
         if getattr(ds, _MARK, False):
+            return True
+        if size and type(ds).__name__ == "_ShardDataset" and tf.executing_eagerly() \
+                and int(ds._num_shards) == size:
             return True
         todo.extend(getattr(ds, "_inputs", list)())
     return False
@@ -252,7 +256,7 @@ def split_batches(strategy, dataset: tf.data.Dataset) -> tf.data.Dataset:
     mode, _state["next"] = _state["next"], "eval"  # fit's first dataset trains; the next ones validate
     if strategy.size == 1:
         return dataset
-    if is_per_rank(dataset):
+    if is_per_rank(dataset, strategy.size):
         return _equal_steps(strategy, dataset) if mode == "train" else dataset
     rank, size = strategy.rank, strategy.size
     for spec in tf.nest.flatten(dataset.element_spec):
@@ -332,7 +336,7 @@ def gather_predictions(active, method: str, arguments: dict, result):
     recorder = _state["predict_rows"].pop()
     gathered = strategy.torus_comm.comm.allgather((recorder.rows, result))
     x = arguments["x"]
-    if isinstance(x, tf.data.Dataset) and is_per_rank(x):
+    if isinstance(x, tf.data.Dataset) and is_per_rank(x, strategy.size):
         pieces = [out for _, out in gathered]
     else:
         offsets = [np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]) for rows, _ in gathered]

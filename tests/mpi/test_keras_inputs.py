@@ -197,3 +197,15 @@ def test_predict_and_evaluate_every_row(world, strategy, n):
     want = plain("evaluate")(ref, x, y, batch_size=B, verbose=0, return_dict=True)
     for key in ("loss", "accuracy"):
         assert logs[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_plain_dataset_shard_is_per_rank(world, strategy):
+    """``Dataset.shard(N, rank)`` without strategy.shard is recognised as per rank too."""
+    x, y = data(36, seed=10)
+    size, rank, b = strategy.size, strategy.rank, B // strategy.size
+    model = build(strategy)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).shard(size, rank).batch(b), epochs=1, verbose=0)
+    order = np.array([r + size * (k * b + j) for k in range(36 // B) for r in range(size) for j in range(b)])
+    ref = build()
+    plain("fit")(ref, x[order], y[order], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_matches(world, model, ref, "Dataset.shard")
