@@ -65,13 +65,17 @@ class _ChiefCheckpoint:
 class _SharedBackup:
     def on_train_begin(self, logs=None):
         strategy, model = self._torus_strategy, self.model
+        state = None
         if strategy.is_chief:
-            super().on_train_begin(logs)
-            found = file_utils.exists(self._weights_path)
-            state = (found, getattr(model, "_initial_epoch", None))
-        else:
-            state = None
-        found, epoch = strategy.torus_comm.comm.bcast(state, root=0)
+            try:
+                super().on_train_begin(logs)
+                state = (file_utils.exists(self._weights_path), getattr(model, "_initial_epoch", None), None)
+            except Exception as exc:  # the other ranks must not wait for a broadcast that never comes
+                state = (False, None, f"{type(exc).__name__}: {exc}")
+        found, epoch, error = strategy.torus_comm.comm.bcast(state, root=0)
+        if error:
+            raise RuntimeError(f"BackupAndRestore on rank {strategy.rank}: rank 0 could not restore the backup "
+                               f"in {self.backup_dir}: {error}")
         if not found:
             return
         optimizer = model.optimizer

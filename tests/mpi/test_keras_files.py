@@ -142,3 +142,15 @@ def test_backup_and_restore_resumes_on_every_rank(world, strategy, tmp_path, shu
     assert all(b == blob for b in world.allgather(blob)), "weights differ between ranks"
     for a, b in zip(got, want.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_unreadable_backup_fails_on_every_rank(world, strategy, tmp_path):
+    """A corrupt backup on the chief ends fit on every rank with the reason (no rank left waiting)."""
+    x, y = data()
+    backup = tmp_path / "backup"
+    if strategy.is_chief:
+        backup.mkdir()
+        (backup / "latest.weights.h5").write_bytes(b"not an HDF5 file")
+    model = build(strategy)
+    with pytest.raises(RuntimeError, match="rank 0 could not restore the backup"):
+        model.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(str(backup))])
