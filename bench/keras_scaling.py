@@ -47,8 +47,10 @@ def main() -> None:
         model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "sparse_categorical_crossentropy",
                       jit_compile=False)
-    rng = np.random.default_rng(strategy.rank)
-    n = args.batch * (args.warmup + args.steps)
+    # fit's batch_size is the global batch: every rank holds the same arrays and trains on its 1/N of each batch
+    global_batch = args.batch * strategy.size
+    rng = np.random.default_rng(0)
+    n = global_batch * (args.warmup + args.steps)
     x = rng.random((n, 32, 32, 3), np.float32)
     y = rng.integers(0, 10, n)
     host = strategy.host
@@ -63,7 +65,7 @@ def main() -> None:
                 times.append(time.perf_counter() - self.t0)
                 reduce_s.append(host.seconds - self.r0)
 
-    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
               callbacks=strategy.callbacks() + [Timer()])
     step, red = float(np.median(times)), float(np.median(reduce_s))
     grads = sum(int(np.prod(v.shape)) for v in model.trainable_variables)

@@ -18,7 +18,9 @@ and every random augmentation is a stateless op seeded per element, so a run res
 sees exactly the batches an uninterrupted run sees.
 
 Images come out as float32 ``(batch, S, S, 3)`` normalised with the ImageNet channel mean and standard
-deviation; labels as int32 ``(batch,)`` in ``[0, num_classes)``.
+deviation; labels as int32 ``(batch,)`` in ``[0, num_classes)``. Every dataset returned here holds this
+rank's share and is marked so (``inputs.per_rank``): ``model.fit`` under a ``TorusStrategy`` takes its batches
+as per-rank batches instead of splitting them as global ones.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+
+from torus.integrations.keras.inputs import per_rank
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".JPEG", ".JPG", ".PNG"}
 MEAN_RGB = (0.485, 0.456, 0.406)
@@ -309,7 +313,7 @@ def train_dataset(split: Split, *, epoch: int, batch_size: int, steps: int, imag
                                                       tf.stack([base[0] + base[1] * 7919, i]),
                                                       image_size, augment)), example[1]),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return per_rank(dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
 
 def val_dataset(split: Split, *, batch_size: int, image_size: int, central_fraction: float = 0.875):
@@ -321,8 +325,8 @@ def val_dataset(split: Split, *, batch_size: int, image_size: int, central_fract
             image = tf.image.central_crop(image, central_fraction)
         image = tf.image.resize(tf.cast(image, tf.float32) / 255.0, (image_size, image_size))
         return _normalise(image), label
-    return _examples(split, None, None).map(prepare, num_parallel_calls=tf.data.AUTOTUNE) \
-        .batch(batch_size).prefetch(tf.data.AUTOTUNE)
+    return per_rank(_examples(split, None, None).map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+                    .batch(batch_size).prefetch(tf.data.AUTOTUNE))
 
 
 def synthetic_dataset(*, batch_size: int, steps: int, image_size: int, num_classes: int, seed: int = 0):
@@ -331,4 +335,4 @@ def synthetic_dataset(*, batch_size: int, steps: int, image_size: int, num_class
     rng = np.random.default_rng(seed)
     images = rng.standard_normal((batch_size, image_size, image_size, 3), np.float32)
     labels = rng.integers(0, num_classes, batch_size).astype(np.int32)
-    return tf.data.Dataset.from_tensors((images, labels)).repeat(steps).prefetch(1)
+    return per_rank(tf.data.Dataset.from_tensors((images, labels)).repeat(steps).prefetch(1))

@@ -18,7 +18,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm
-from torus.integrations.keras import fit_hook
+from torus.integrations.keras import files, fit_hook, inputs  # noqa: F401 (files registers its stage)
 from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables
 from torus.select import ALGORITHMS
 
@@ -48,6 +48,11 @@ class _TorusExtended(one_device_strategy.OneDeviceExtended):
         values = [_local(v) for v, _ in value_destination_pairs]
         op = "avg" if reduce_op == tf.distribute.ReduceOp.MEAN else "sum"
         return allreduce_tensors(self._host, values, op)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        # Keras hands every kind of input here as a tf.data dataset of global batches (or per-rank ones)
+        return super()._experimental_distribute_dataset(
+            inputs.split_batches(self._container_strategy(), dataset), options)
 
 
 class TorusStrategy(tf.distribute.Strategy):
@@ -117,8 +122,9 @@ class TorusStrategy(tf.distribute.Strategy):
 
     def shard(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """``dataset.shard(size, rank)``: every ``size``-th element, starting at ``rank``. Shard before
-        shuffling with a per-rank seed and before batching."""
-        return dataset.shard(self.size, self.rank)
+        shuffling with a per-rank seed and before batching. The result is marked per rank
+        (``inputs.per_rank``): fit takes its batches as this rank's share instead of splitting them."""
+        return inputs.per_rank(dataset.shard(self.size, self.rank))
 
     def allreduce_gradients(self, grads, op: str = "avg"):
         """Fused all-reduce of a gradient list for custom loops (mean over ranks by default); see

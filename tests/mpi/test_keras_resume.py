@@ -24,18 +24,11 @@ SCHEDULE = BatchSizeSchedule("0:6,2:12")  # both divisible by 1, 2 and 3 ranks
 RULE = LearningRateRule(0.3, base_batch=6, warmup_epochs=1, decay="poly", total_epochs=EPOCHS)
 
 
-def rows(global_batch, size, rank):
-    """This rank's contiguous 1/size of every global batch of one epoch."""
-    b = global_batch // size
-    return np.concatenate([np.arange(k + rank * b, k + (rank + 1) * b) for k in range(0, N, global_batch)])
-
-
 def train(strategy, model, x, y, initial_epoch, epochs):
     control = BatchControl(SCHEDULE, RULE, lambda e: SCHEDULE.steps_per_epoch(e, N))
     logs = {}
     for start, stop, global_batch in SCHEDULE.segments(epochs, initial_epoch):
-        mine = rows(global_batch, strategy.size, strategy.rank)
-        hist = model.fit(x[mine], y[mine], batch_size=SCHEDULE.per_rank_batch(start, strategy.size),
+        hist = model.fit(x, y, batch_size=global_batch,  # the global batch: each rank trains on its share
                          initial_epoch=start, epochs=stop, shuffle=False, verbose=0,
                          callbacks=strategy.callbacks() + [control])
         logs = {k: v[-1] for k, v in hist.history.items()}

@@ -26,12 +26,6 @@ def strategy():
     return TorusStrategy()
 
 
-def rank_rows(n_rows: int, size: int, rank: int) -> np.ndarray:
-    """Row indices this rank feeds: its contiguous 1/size of every global batch of B rows."""
-    b = B // size
-    return np.concatenate([np.arange(k * B + rank * b, k * B + (rank + 1) * b) for k in range(n_rows // B)])
-
-
 def data(seed=0, n=B * STEPS, features=6):
     rng = np.random.default_rng(seed)  # same on every rank
     return rng.standard_normal((n, features)).astype(np.float32), rng.integers(0, 3, n)
@@ -78,14 +72,14 @@ def reference_fit(x, y, build=dense_model, weights=None, **fit_kw):
 
 
 def strategy_fit(strategy, x, y, build=dense_model, weights=None, perturb=True, **fit_kw):
-    """Fit on this rank's rows; ranks start from different weights so the broadcast is exercised."""
+    """Fit on the global arrays (batch_size is the global batch: each rank trains on its contiguous 1/size
+    of every batch); ranks start from different weights so the broadcast is exercised."""
     with strategy.scope():
         model = build()
         model.set_weights([w + (strategy.rank if perturb else 0) for w in weights])
         compile_(model, metrics=["accuracy"])
-    rows = rank_rows(len(x), strategy.size, strategy.rank)
     rec = Record()
-    hist = model.fit(x[rows], y[rows], batch_size=B // strategy.size, epochs=1, shuffle=False, verbose=0,
+    hist = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
                      callbacks=strategy.callbacks() + [rec], **fit_kw)
     return rec.steps, hist.history, model
 
@@ -94,9 +88,8 @@ def test_fit_matches_one_process_and_metrics_are_global(world, strategy):
     x, y = data()
     xv, yv = data(seed=7, n=31)
     w0 = initial_weights(dense_model())
-    # validation rows split unevenly (31 over N ranks): checks the sample-count weighting.
-    mine = np.array_split(np.arange(31), strategy.size)[strategy.rank]
-    steps, hist, model = strategy_fit(strategy, x, y, weights=w0, validation_data=(xv[mine], yv[mine]))
+    # 31 validation rows split unevenly over N ranks: checks the sample-count weighting.
+    steps, hist, model = strategy_fit(strategy, x, y, weights=w0, validation_data=(xv, yv))
     ref_steps, ref_hist, ref_model = reference_fit(x, y, weights=w0, validation_data=(xv, yv))
     assert len(steps) == len(ref_steps) == STEPS
     for k, (got, want) in enumerate(zip(steps, ref_steps)):
@@ -105,8 +98,7 @@ def test_fit_matches_one_process_and_metrics_are_global(world, strategy):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"fit step {k}")
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
         assert hist[key][0] == pytest.approx(ref_hist[key][0], rel=1e-5, abs=1e-6), key
-    got = strategy.average_logs(model, model.evaluate(xv[mine], yv[mine], batch_size=4, verbose=0,
-                                                      return_dict=True))
+    got = strategy.average_logs(model, model.evaluate(xv, yv, batch_size=4, verbose=0, return_dict=True))
     want = ref_model.evaluate(xv, yv, batch_size=4, verbose=0, return_dict=True)
     for key in ("loss", "accuracy"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), f"evaluate {key}"
@@ -206,4 +198,4 @@ def test_jit_compile_is_refused(strategy):
         model.compile(LARS(), keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
     x, y = data(n=B)
     with pytest.raises(ValueError, match="jit_compile=False"):
-        model.fit(x, y, batch_size=B // strategy.size, verbose=0, callbacks=strategy.callbacks())
+        model.fit(x, y, batch_size=B, verbose=0, callbacks=strategy.callbacks())
