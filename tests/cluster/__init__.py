@@ -153,7 +153,7 @@ class Cluster:
         """Kill every process inside this cluster's namespaces, delete them and the bridge. Safe to call
         when nothing (or only part) is there."""
         for ns in self._existing_namespaces():
-            self._kill_all(ns)
+            self.kill_all(ns)
             _ip("netns", "del", ns, check=False)
         # a namespace is destroyed asynchronously, and its veth pairs with it: delete our ends now, so that a
         # following up() can reuse the names at once
@@ -170,7 +170,8 @@ class Cluster:
         # names are <name><digits>; another cluster's name may share a prefix, so match the digits exactly
         return [n for n in listed if n.startswith(self.name) and n[len(self.name):].isdigit()]
 
-    def _kill_all(self, ns: str) -> None:
+    def kill_all(self, ns: str) -> None:
+        """SIGKILL every process in namespace ``ns`` until none is left."""
         for _ in range(50):
             pids = self.pids(ns)
             if not pids:

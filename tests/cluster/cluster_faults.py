@@ -71,7 +71,7 @@ def job(cluster):
             os.killpg(proc.pid, signal.SIGKILL)
     cluster.restore(2)
     for h in (1, 2):
-        cluster._kill_all(cluster.namespace(h))
+        cluster.kill_all(cluster.namespace(h))
 
 
 def _ends(cluster, proc, lines, reader, what: str) -> tuple[int, float, float]:
