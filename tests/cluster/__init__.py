@@ -52,11 +52,15 @@ exec ip netns exec "$ns" sh -c "$*"
 """
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if check and done.returncode:
-        raise RuntimeError(f"'ip {' '.join(args)}' failed ({done.returncode}): {done.stderr.strip()}")
+        raise RuntimeError(f"'{' '.join(cmd)}' failed ({done.returncode}): {done.stderr.strip()}")
     return done
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _sh("ip", *args, check=check)
 
 
 def unavailable() -> str | None:
@@ -67,7 +71,7 @@ def unavailable() -> str | None:
     probe = f"torusprobe{os.getpid()}"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
-        return f"'ip netns add' refused: {made.stderr.strip() or made.returncode} (needs root or CAP_NET_ADMIN)"
+        return f"'ip netns add' refused: {made.stderr.strip() or made.returncode} (needs root: CAP_SYS_ADMIN and CAP_NET_ADMIN)"
     _ip("netns", "del", probe, check=False)
     return None
 
@@ -138,9 +142,8 @@ class Cluster:
                 # tbf's bucket must hold at least one timer tick of data; 10 ms of the rate is plenty
                 burst = str(max(64 << 10, _bits(self.rate) // 8 // 100))
                 for dev, where in ((outer, ()), ("eth0", ("-n", ns))):
-                    subprocess.run(["tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
-                                    self.rate, "burst", burst, "latency", "50ms"],
-                                   check=True, capture_output=True, text=True)
+                    _sh("tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", self.rate,
+                        "burst", burst, "latency", "50ms")
         self.state.mkdir(parents=True, exist_ok=True)
         cases = "\n".join(f"  {self.address(h)}|{self.namespace(h)}) ns={self.namespace(h)};;"
                           for h in range(1, self.hosts + 1))
@@ -184,7 +187,7 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"cluster {self.name}: processes {self.pids(ns)} in {ns} survive SIGKILL")
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self):
         if not self._atexit:
             atexit.register(self.down)
             self._atexit = True

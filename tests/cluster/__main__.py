@@ -62,7 +62,7 @@ def main(argv=None) -> int:
                 print(f"  {pid} {cmd[:160]}")
         return 0
     extra = args.mpiexec_args[1:] if args.mpiexec_args[:1] == ["--"] else args.mpiexec_args
-    return subprocess.run(cluster.mpiexec(args.ppn) + extra, env=child_env()).returncode
+    return subprocess.run(cluster.mpiexec(args.ppn) + extra, env=child_env(), check=False).returncode
 
 
 if __name__ == "__main__":
