@@ -71,7 +71,8 @@ def unavailable() -> str | None:
     probe = f"torusprobe{os.getpid()}"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
-        return f"'ip netns add' refused: {made.stderr.strip() or made.returncode} (needs root: CAP_SYS_ADMIN and CAP_NET_ADMIN)"
+        return (f"'ip netns add' refused: {made.stderr.strip() or made.returncode} "
+                "(needs root: CAP_SYS_ADMIN and CAP_NET_ADMIN)")
     _ip("netns", "del", probe, check=False)
     return None
 

@@ -7,8 +7,9 @@ across them, 1xN and Nx1 grids across them; hierarchical-nodes on the real nodes
 COMM_TYPE_SHARED, that is from the hosts. The faults and training run on the 2-host cluster, from this process.
 
 The collective suites of a layout run as one ``mpiexec`` (rank 0 writes the JUnit report, as tests/run.py
-does); the faults and training as one pytest process each; each with a wall-clock limit. The last line is 'N passed, N failed, N skipped'; exit status non-zero if anything
-failed. Where namespaces cannot be made (not root, no CAP_NET_ADMIN) it prints why and counts one skipped.
+does); the faults and training as one pytest process each; each with a wall-clock limit. The last line is
+'N passed, N failed, N skipped'; exit status non-zero if anything failed. Where namespaces cannot be made
+(not root, no CAP_NET_ADMIN) it prints why and counts one skipped.
 """
 from __future__ import annotations
 
