@@ -30,7 +30,9 @@ kernel carries out whatever the process is blocked in (a Python thread could not
 ``MPI_Finalize``), after ``TORUS_ABORT_TIMEOUT`` seconds (default 10); and if ``MPI_Abort`` returns it leaves
 at once with ``os._exit(status)``. A rank that raised a stall timeout also arms the watchdog when Python
 exits, so an uncaught ``TimeoutError`` without the hook, or ``sys.exit`` after catching it, ends the rank
-too instead of hanging in ``MPI_Finalize``.
+too instead of hanging in ``MPI_Finalize``. Not covered: a rank stuck outside torus (in the caller's code) on
+a host cut off from ``mpiexec`` stays alive, since hydra's proxy leaves the killing of its ranks to
+``mpiexec``.
 """
 from __future__ import annotations
 

@@ -10,6 +10,10 @@ every namespace (hydra_pmi_proxy, its shell, the ranks), to be gone within BOUND
 - ranks killed: both ranks of host 2 get SIGKILL; hydra ends the job.
 - rank stuck: rank 3 sleeps inside an all-reduce; the others time out and abort; mpiexec ends the sleeper.
 
+Not covered (tried by hand): a rank stuck outside MPI (asleep) on the host whose link is cut stays alive, with
+that host's proxy: no torus code runs in it, and hydra's proxy does not end its own ranks when one of them
+aborts; only mpiexec does, which it cannot reach.
+
 BOUND_S = stall timeout 3 + abort delay 0.5 + watchdog 5 + 6 s for a loaded 2-core machine. Each case prints
 one line (exit status, seconds to mpiexec's exit, seconds until the namespaces were empty) for the record.
 Budget: 3 jobs of about 10 s each.
