@@ -1,5 +1,6 @@
-"""The cluster suites: the collective suites of tests/mpi run across emulated hosts, node detection, faults
-across hosts and torus-train with --resume across hosts (``python -m tests.cluster test``).
+"""The cluster suites: the emulated cluster itself, the collective suites of tests/mpi run across emulated
+hosts, node detection, faults across hosts and torus-train with --resume across hosts
+(``python -m tests.cluster test``; ``--quick``: the cluster, node detection and faults only).
 
 Layouts: 2 hosts x 2 ranks (links shaped to 2 Gbit/s with tc tbf; rows of torus2d-2x2 inside hosts, columns
 across them, 1xN and Nx1 grids across them; hierarchical-nodes on the real nodes), then 3 hosts x 1 rank
@@ -86,6 +87,8 @@ def main(quick: bool = False) -> int:
     py = sys.executable
     common = ["-m", "pytest", "-p", "no:cacheprovider", "-o", "timeout_method=thread"]
     t0 = time.monotonic()
+    xml = tmp / "unit.xml"
+    tally.run("cluster", [py, *common, "tests/cluster/cluster_unit.py", f"--junitxml={xml}"], xml, child_env())
     for hosts, ppn, rate in LAYOUTS:
         layout = f"{hosts}x{ppn}"
         with Cluster(hosts, rate, NAME, SUBNET) as cluster:
