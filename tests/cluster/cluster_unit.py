@@ -45,9 +45,8 @@ def test_hosts_reach_each_other_over_a_shaped_link_and_nothing_else(cluster):
         assert len(routes) == 1 and routes[0].startswith("10.231.15.0/24 dev eth0 "), routes
         assert "tbf" in _out("tc", "-n", ns, "qdisc", "show", "dev", "eth0")
         assert "rate 100Mbit" in _out("tc", "qdisc", "show", "dev", f"torusuv{h}")
-    server = subprocess.Popen(["ip", "netns", "exec", cluster.namespace(2), sys.executable, "-c",
-                               "import socket; s = socket.create_server(('10.231.15.2', 5555)); "
-                               "c, _ = s.accept(); c.sendall(c.recv(5))"])
+    echo = "import socket; s = socket.create_server(('10.231.15.2', 5555)); c, _ = s.accept(); c.sendall(c.recv(5))"
+    server = subprocess.Popen(["ip", "netns", "exec", cluster.namespace(2), sys.executable, "-c", echo])
     client = ("import socket, time\n"
               "for _ in range(100):\n"
               "    try: c = socket.create_connection(('10.231.15.2', 5555)); break\n"
