@@ -104,19 +104,23 @@ class _FakeWorld:
 
 
 @pytest.mark.parametrize("exc, status", [(RuntimeError("boom"), 1), (KeyboardInterrupt(), 130)])
-def test_abort_on_exception_prints_then_aborts(monkeypatch, capsys, exc, status):
+def test_abort_on_exception_prints_then_aborts(monkeypatch, capfd, exc, status):
     from torus import faults
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     monkeypatch.setattr(faults, "ABORT_GRACE_S", 0)
+    armed, exits = [], []
+    monkeypatch.setattr(faults, "watchdog", lambda why: armed.append(why))  # SIGALRM would end pytest
+    monkeypatch.setattr(faults.os, "_exit", exits.append)  # the stand-in's Abort returns
     world = _FakeWorld()
     faults.abort_on_exception(world)
     faults.abort_on_exception(world)  # installing twice must not print or abort twice
     sys.excepthook(type(exc), exc, None)
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert err.count(f"[rank 5] uncaught {type(exc).__name__}; aborting the MPI job: {exc}\n") == 1, err
-    assert f"{type(exc).__name__}" in err.splitlines()[-1], err
-    assert world.aborted == [status]
+    assert f"{type(exc).__name__}" in err.splitlines()[-2], err  # the traceback's last line
+    assert world.aborted == [status] and armed == [f"[rank 5] calling MPI_Abort({status})"]
+    assert exits == [status] and "MPI_Abort returned; exiting with status" in err.splitlines()[-1]
 
 
 def worker(mode: str, check: bool) -> None:

@@ -20,10 +20,25 @@ torus collective, including the argument check, raises :class:`torus.errors.Time
 after ``timeout`` seconds without progress, and with :func:`abort_on_exception` that uncaught error aborts the job.
 Not covered: a survivor blocked in an MPI call outside torus (``algorithm="native"``, the caller's own
 ``comm.Allreduce``) waits forever, since MPI's blocking calls have no timeout.
+
+``MPI_Abort`` itself may fail to end a rank: across hosts, on a host whose link is cut, it reaches the local
+hydra proxy but the proxy cannot reach ``mpiexec``, and (measured on an emulated cluster, tests/cluster)
+``MPI_Abort`` returns (it does on every host: MPICH's hands the request to the proxy and leaves the killing to
+hydra), and Python's exit then blocks for good in ``MPI_Finalize`` waiting on the same proxy.
+So :func:`abort` (which the hook calls) arms a watchdog first: ``SIGALRM`` with its default action, which the
+kernel carries out whatever the process is blocked in (a Python thread could not run inside
+``MPI_Finalize``), after ``TORUS_ABORT_TIMEOUT`` seconds (default 10); and if ``MPI_Abort`` returns it leaves
+at once with ``os._exit(status)``. A rank that raised a stall timeout also arms the watchdog when Python
+exits, so an uncaught ``TimeoutError`` without the hook, or ``sys.exit`` after catching it, ends the rank
+too instead of hanging in ``MPI_Finalize``. Not covered: a rank stuck outside torus (in the caller's code) on
+a host cut off from ``mpiexec`` stays alive, since hydra's proxy leaves the killing of its ranks to
+``mpiexec``.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import sys
 import time
 
@@ -33,6 +48,10 @@ from torus.errors import TimeoutError as TorusTimeout
 
 # Seconds between an uncaught exception's report and MPI_Abort, so the launcher forwards the report first.
 ABORT_GRACE_S = 0.5
+# Where MPI_Abort works it ends every rank within about a second (tests/test_faults_subprocess.py); the
+# watchdog must not fire before that, and a stuck rank should not outlive its job by much.
+ABORT_TIMEOUT_S = 10.0
+_stalled = False  # set when this process raised a stall timeout: its communicators may never finish
 
 
 def wait(req: MPI.Request, timeout: float | None, message) -> None:
@@ -51,7 +70,58 @@ def wait(req: MPI.Request, timeout: float | None, message) -> None:
         # (one core each), where sched_yield returns at once. Pure spinning was 2.7x slower still.
         os.sched_yield()
         if time.monotonic() > deadline:
+            _stall()
             raise TorusTimeout(message())
+
+
+def _stall() -> None:
+    """Remember the stall: at Python's exit arm the watchdog, since MPI_Finalize may then wait forever."""
+    global _stalled
+    if not _stalled:
+        _stalled = True
+        atexit.register(watchdog, "exiting after a stall timeout")
+
+
+def _timeout_s() -> float:
+    value = os.environ.get("TORUS_ABORT_TIMEOUT", "")
+    return float(value) if value else ABORT_TIMEOUT_S
+
+
+def watchdog(why: str, seconds: float | None = None) -> None:
+    """End this process with SIGALRM (status 128 + 14 from a shell, "signal 14" from hydra) ``seconds`` from
+    now (default ``TORUS_ABORT_TIMEOUT``, 10 s), whatever it is blocked in by then, unless it has ended.
+
+    For the last stretch of a failing rank (``MPI_Abort``, ``MPI_Finalize`` after a stall); nothing can cancel
+    it but another call (which re-arms it) or ``signal.setitimer(signal.ITIMER_REAL, 0)``. Replaces any
+    ``SIGALRM`` handler: a Python handler could not run while the main thread is blocked in MPI. Says so on
+    stderr first, in one write."""
+    seconds = _timeout_s() if seconds is None else seconds
+    _say(f"{why}; this process ends itself (SIGALRM) if it still runs in {seconds:g} s")
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def abort(comm: MPI.Comm | None = None, status: int = 1) -> None:
+    """``comm.Abort(status)`` (``comm`` defaults to ``MPI.COMM_WORLD``) that ends this process even where
+    ``MPI_Abort`` cannot: the :func:`watchdog` is armed first, and if ``MPI_Abort`` returns (or raises) the
+    process leaves with ``os._exit(status)``. Never returns."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    watchdog(f"[rank {comm.Get_rank()}] calling MPI_Abort({status})")
+    try:
+        comm.Abort(status)
+    finally:
+        # MPICH's returns once the abort request is with the local proxy, which ends the job where it can
+        # reach mpiexec; leave now rather than run on into MPI_Finalize, which blocks where it cannot
+        _say(f"[rank {comm.Get_rank()}] MPI_Abort returned; exiting with status {status}")
+        os._exit(status)
+
+
+def _say(line: str) -> None:
+    # os.write: no Python buffer or lock that another thread (or an interrupted print) may hold
+    try:
+        os.write(2, (line + "\n").encode(errors="replace"))
+    except OSError:
+        pass
 
 
 def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
@@ -61,7 +131,8 @@ def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
     exception on one rank leaves the job hanging (see the module docstring). The previous ``sys.excepthook``
     still prints the traceback, prefixed by ``[rank r]``; ``KeyboardInterrupt`` aborts with status 130. Only the
     main thread's exceptions end the job: an exception in another thread does not end a Python process either.
-    Calling it again replaces the earlier hook instead of stacking one on another."""
+    Calling it again replaces the earlier hook instead of stacking one on another. The process ends even when
+    ``MPI_Abort`` cannot end it (see :func:`abort`)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     previous = getattr(sys.excepthook, "torus_previous", sys.excepthook)
 
@@ -75,7 +146,7 @@ def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
         sys.stderr.flush()
         # Give the launcher's output forwarding a moment to drain before Abort tears the job down.
         time.sleep(ABORT_GRACE_S)
-        comm.Abort(130 if issubclass(exc_type, KeyboardInterrupt) else status)
+        abort(comm, 130 if issubclass(exc_type, KeyboardInterrupt) else status)
 
     hook.torus_previous = previous
     sys.excepthook = hook

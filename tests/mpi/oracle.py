@@ -46,8 +46,11 @@ _MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "ma
 # Every algorithm, and every grid / node layout the issue names (rpn2 at 3 ranks and rpn4 at 6 make nodes of
 # unequal size); ids are stable across sizes so that the same tests are collected (in the same order) on
 # every rank.
+# hierarchical-nodes takes the real nodes (COMM_TYPE_SHARED): run across hosts by tests/cluster; on one host
+# it is the same layout as one node of all ranks.
 CASES = ["ring", "native", "torus2d-1xN", "torus2d-Nx1", "torus2d-2x2", "torus2d-2x3", "torus2d-3x2",
-         "hierarchical-rpn1", "hierarchical-rpn2", "hierarchical-rpn4", "hierarchical-rpnN"]
+         "hierarchical-rpn1", "hierarchical-rpn2", "hierarchical-rpn4", "hierarchical-rpnN", "hierarchical-nodes"]
+ONE_NODE = WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_size() == SIZE
 _comms: dict = {}
 # recvcounts patterns for reduce-scatter and all-gather; those in BLOCK_FORM are passed as recvcounts=None.
 PATTERNS = {
@@ -72,6 +75,10 @@ def _config(case: str):
         if layout == "Nx1" and SIZE == 1:
             pytest.skip("the same 1x1 grid as 1xN")
         return algo, {"dims": (X, Y)}
+    if algo == "hierarchical" and layout == "nodes":
+        if ONE_NODE:
+            pytest.skip("one real node: the same layout as rpnN")
+        return algo, {}
     if algo == "hierarchical":
         rpn = SIZE if layout == "rpnN" else int(layout[3:])
         if layout == "rpnN" and SIZE <= 2 or layout == "rpn4" and SIZE <= 4 or rpn > SIZE:

@@ -28,13 +28,13 @@ _comms: dict = {}
 @st.composite
 def configs(draw):
     """(TorusComm, algorithm): the grid matters to torus2d, the node layout (any ranks_per_node, so uneven
-    nodes too) to hierarchical; 64-byte segments make every message many segments."""
+    nodes too, or the real ones) to hierarchical; 64-byte segments make every message many segments."""
     algorithm = draw(st.sampled_from(torus.ALGORITHMS + ("auto",)))
     kwargs = {}
     if algorithm == "torus2d":
         kwargs["dims"] = draw(st.sampled_from(GRIDS))
     elif algorithm == "hierarchical":
-        kwargs["ranks_per_node"] = draw(st.integers(1, SIZE))
+        kwargs["ranks_per_node"] = draw(st.integers(0, SIZE)) or None  # None: the real nodes
     kwargs["segment_bytes"] = draw(st.sampled_from([64, 1 << 20]))
     key = tuple(sorted(kwargs.items()))
     if key not in _comms:  # built once per configuration, collectively: every rank draws the same
