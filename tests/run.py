@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Runs every suite: tests/ in one process, then tests/mpi/ under ``mpiexec -n K`` for each K.
+"""Runs every suite: tests/ in one process, tests/mpi/ under ``mpiexec -n K`` for each K, then the suites across
+emulated hosts (``python -m tests.cluster test``: network namespaces, as root; one 'skipped' line where refused;
+``--no-cluster`` leaves them out, and so do test paths).
 
 Usage: python tests/run.py [--ranks 1,2,3,4,5,6] [--skip-single] [-- pytest args...]
 
@@ -99,6 +101,25 @@ def _run(cmd, timeout: int, env) -> int:
         return 124
 
 
+def _cluster_suites(py: str, env: dict, totals: dict, failures: list) -> None:
+    """``python -m tests.cluster test``, its closing line added to ``totals`` (its own log goes to stdout)."""
+    cmd = [py, "-m", "tests.cluster", "test"]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    last = ""
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        last = line.strip() or last
+    rc = proc.wait()
+    match = re.fullmatch(r"(\d+) passed, (\d+) failed, (\d+) skipped", last)
+    if match is None or rc != 0:
+        failures.append(f"tests/cluster: exit status {rc}, last line {last!r} (see the log above)")
+        totals["failed"] += 1 if match is None else 0
+    if match is not None:
+        for key, value in zip(("passed", "failed", "skipped"), match.groups()):
+            totals[key] += int(value)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="1,2,3,4,5,6", help="comma-separated rank counts for tests/mpi")
@@ -108,6 +129,9 @@ def main() -> int:
                     default=os.environ.get("TORUS_TESTS_RERUN_CRASHED") == "1",
                     help="run a suite killed by SIGSEGV/SIGBUS once more and count the rerun (never in CI; "
                     "also TORUS_TESTS_RERUN_CRASHED=1)")
+    ap.add_argument("--no-cluster", action="store_true",
+                    help="leave out the suites across emulated hosts (tests/cluster; they run after tests/mpi "
+                    "when no test paths are given, and skip with one line where network namespaces are refused)")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="torus-tests-") as tmp:
@@ -163,6 +187,9 @@ def _all_suites(args, tmp: Path) -> int:
         if k > 1:
             cmd += [":", "-n", str(k - 1), *base, "-p", "no:terminal"]
         suite(f"mpiexec -n {k}", cmd, xml)
+    if not paths and not args.no_cluster:
+        _cluster_suites(py, env, totals, failures)
+        status |= 1 if any(line.startswith("tests/cluster") for line in failures) else 0
     for line in skip_lines(skipped):
         print(line)
     for line in failures:

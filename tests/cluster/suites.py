@@ -15,6 +15,7 @@ does); the faults and training as one pytest process each; each with a wall-cloc
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,12 +79,20 @@ class Tally:
 
 
 def main(quick: bool = False) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="torus-cluster-"))
+    try:
+        return _main(quick, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _main(quick: bool, tmp: Path) -> int:
     why = unavailable()
     if why:
         print(f"cluster suites skipped: {why}")
         print("0 passed, 0 failed, 1 skipped")
         return 0
-    tally, tmp = Tally(), Path(tempfile.mkdtemp(prefix="torus-cluster-"))
+    tally = Tally()
     py = sys.executable
     common = ["-m", "pytest", "-p", "no:cacheprovider", "-o", "timeout_method=thread"]
     t0 = time.monotonic()
