@@ -12,7 +12,10 @@ all-reduce and silently drift apart on each rank. ``adopt_model``:
 - ``fit`` / ``evaluate`` with ``jit_compile=True`` are refused (XLA cannot compile the ``tf.numpy_function``
   that calls MPI), before any communication;
 - ``fit``: the optimizer all-reduces gradients first (``gradients.reduce_first``); metric results are global
-  (``metrics.install``).
+  (``metrics.install``); the chief warns once per model that has ``BatchNormalization(synchronized=False)``
+  layers (they normalize over each rank's part of the batch and keep per-rank moving statistics, as Keras
+  declares for them; ``synchronized=True`` all-reduces the batch statistics through the strategy and matches
+  one process).
 
 Variables created outside the scope are ordinary variables, which is what the one-device strategy underneath
 creates too, so a moved model trains exactly as one created under the scope (tests/mpi/test_keras_adopt.py).
@@ -62,6 +65,20 @@ def _move(model, strategy, method: str) -> None:
                       "strategy.scope(); moved under the strategy for this and later calls", stacklevel=4)
 
 
+def _warn_local_batch_norm(model, strategy) -> None:
+    if not strategy.is_chief or getattr(model, "_torus_warned_batch_norm", False):
+        return
+    import keras
+
+    local = [layer.name for layer in model._flatten_layers()
+             if isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized]
+    if local:
+        object.__setattr__(model, "_torus_warned_batch_norm", True)
+        warnings.warn(f"TorusStrategy: BatchNormalization layers {local[:3]}{' ...' if len(local) > 3 else ''} "
+                      "normalize over each rank's part of the batch and keep per-rank moving statistics; pass "
+                      "synchronized=True to normalize over the global batch as one process does", stacklevel=4)
+
+
 def adopt_model(strategy, method: str, arguments: dict) -> dict:
     """Stage "model": move the model under ``strategy`` or refuse it; see the module docstring."""
     model = arguments["self"]
@@ -73,5 +90,6 @@ def adopt_model(strategy, method: str, arguments: dict) -> dict:
                          "was compiled outside strategy.scope())")
     if method == "fit":
         gradients.reduce_first(model.optimizer, strategy)
+        _warn_local_batch_norm(model, strategy)
     metrics.install()
     return arguments
