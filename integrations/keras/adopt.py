@@ -11,8 +11,8 @@ all-reduce and silently drift apart on each rank. ``adopt_model``:
 - a model of another ``tf.distribute`` strategy is refused (``ValueError`` naming the rank);
 - ``fit`` / ``evaluate`` with ``jit_compile=True`` are refused (XLA cannot compile the ``tf.numpy_function``
   that calls MPI), before any communication;
-- ``fit``: the optimizer all-reduces gradients first (``gradients.reduce_first``); metric results are global
-  (``metrics.install``); the chief warns once per model that has ``BatchNormalization(synchronized=False)``
+- ``fit``: the optimizer all-reduces gradients first (``gradients.reduce_first``; a step function traced
+  before is traced again); the chief warns once per model that has ``BatchNormalization(synchronized=False)``
   layers (they normalize over each rank's part of the batch and keep per-rank moving statistics, as Keras
   declares for them; ``synchronized=True`` all-reduces the batch statistics through the strategy and matches
   one process).
@@ -26,7 +26,7 @@ import warnings
 
 from tensorflow.python.distribute import distribute_lib
 
-from torus.integrations.keras import gradients, metrics
+from torus.integrations.keras import gradients
 
 
 def _optimizers(optimizer) -> list:
@@ -89,7 +89,7 @@ def adopt_model(strategy, method: str, arguments: dict) -> dict:
                          "that calls MPI; Keras' default 'auto' turns XLA on when a GPU is visible and the model "
                          "was compiled outside strategy.scope())")
     if method == "fit":
-        gradients.reduce_first(model.optimizer, strategy)
+        if gradients.reduce_first(model.optimizer, strategy):
+            model.train_function = None  # e.g. traced by train_on_batch before, with Keras' late all-reduce
         _warn_local_batch_norm(model, strategy)
-    metrics.install()
     return arguments

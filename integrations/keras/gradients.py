@@ -23,11 +23,12 @@ import tensorflow as tf
 from torus.integrations.keras.loop import allreduce_tensors
 
 
-def reduce_first(optimizer, strategy) -> None:
-    """Make ``optimizer.apply`` (and so ``apply_gradients``) sum the gradients over ranks first; idempotent."""
+def reduce_first(optimizer, strategy) -> bool:
+    """Make ``optimizer.apply`` (and so ``apply_gradients``) sum the gradients over ranks first; idempotent.
+    Returns True when it changed ``optimizer`` now (a step function traced before must be traced again)."""
     current = optimizer.__dict__.get("apply")
     if current is not None and getattr(current, "_torus_strategy", None) is strategy:
-        return
+        return False
     original = type(optimizer).apply.__get__(optimizer)
 
     @functools.wraps(original)
@@ -45,3 +46,4 @@ def reduce_first(optimizer, strategy) -> None:
 
     apply._torus_strategy = strategy  # type: ignore[attr-defined]
     object.__setattr__(optimizer, "apply", apply)
+    return True

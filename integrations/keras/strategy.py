@@ -22,7 +22,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm, faults
-from torus.integrations.keras import adopt, fit_hook, initial_state
+from torus.integrations.keras import adopt, fit_hook, initial_state, metrics
 from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables
 from torus.select import ALGORITHMS
 
@@ -104,7 +104,9 @@ class TorusStrategy(tf.distribute.Strategy):
     start of ``fit`` / ``evaluate`` (XLA cannot compile the ``tf.numpy_function``); Keras' default ``"auto"``
     resolves to False for a model compiled under the scope, but to True on a machine with a GPU for one
     compiled outside it. Only the chief (rank 0) should print. ``train_on_batch`` / ``test_on_batch`` are not
-    wrapped: they all-reduce gradients but neither broadcast nor make metrics global.
+    wrapped: they all-reduce gradients (Keras' own late all-reduce, so clipping and the loss-scale check stay
+    local) and return global metrics, but broadcast nothing and do not move a model created outside the scope.
+    ``BatchNormalization`` normalizes over each rank's part of the batch unless ``synchronized=True``.
 
     Parameters
     ----------
@@ -143,6 +145,7 @@ class TorusStrategy(tf.distribute.Strategy):
         fit_hook.register("model", adopt.adopt_model)
         fit_hook.register("callbacks", initial_state.add_initial_state)
         fit_hook.install(self)
+        metrics.install()
 
     @property
     def torus_comm(self) -> TorusComm:
