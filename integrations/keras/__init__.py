@@ -2,8 +2,8 @@
 
 ``LARS`` (optimizer), ``BatchSizeSchedule`` and ``LearningRateRule`` (batch-size control and the learning-rate
 rule that follows it), ``BatchControl`` (the callback that applies both), ``TorusStrategy`` (a
-``tf.distribute.Strategy``: ``with strategy.scope(): ...; model.fit(...)`` under ``mpiexec``; its
-``callbacks()`` are ``BroadcastInitialState`` and ``MetricAverage``), and for custom training loops
+``tf.distribute.Strategy``: ``with strategy.scope(): ...; model.fit(...)`` under ``mpiexec``; the initial
+broadcast and global metrics happen inside ``fit`` / ``evaluate`` / ``predict``), and for custom training loops
 ``allreduce_tensors`` / ``broadcast_variables`` (also ``strategy.allreduce_gradients`` /
 ``strategy.broadcast_variables``).
 
@@ -14,7 +14,7 @@ import importlib
 _MODULE = {
     "LARS": "lars",
     "BatchSizeSchedule": "schedule", "LearningRateRule": "schedule",
-    "BatchControl": "callbacks", "BroadcastInitialState": "callbacks", "MetricAverage": "callbacks",
+    "BatchControl": "callbacks",
     "HostAllreduce": "loop", "allreduce_tensors": "loop", "broadcast_variables": "loop",
     "TorusStrategy": "strategy",
 }

@@ -15,21 +15,25 @@ original method:
   the order of the inputs).
 
 A stage is a function ``(strategy, method, arguments) -> arguments`` (``finish``: ``(strategy, method,
-arguments, result) -> result``) registered with ``register(stage, fn)``; stages run in registration order. A
-process without a ``TorusStrategy`` (or a model of another strategy, when no TorusStrategy exists) runs Keras
-unchanged.
+arguments, result) -> result``) registered with ``register(stage, fn)``; stages run in registration order.
+``arguments`` maps every parameter name to its value (``"self"`` is the model), plus any extra keyword the call
+passed (``evaluate``'s private ``_use_cached_eval_dataset=True`` when ``fit`` validates). ``strategy`` is the
+model's own ``TorusStrategy`` when it was created under one, else the one created last. A process without a
+``TorusStrategy`` (or a model of another strategy, when no TorusStrategy exists) runs Keras unchanged, and so
+does every call inside ``with fit_hook.local():``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 STAGES = ("model", "inputs", "callbacks", "result")
 METHODS = ("fit", "evaluate", "predict")
 
 _stages: dict[str, list[Callable]] = {stage: [] for stage in STAGES}
-_active = {"strategy": None}
+_active = {"strategy": None, "local": 0}
 
 
 def register(stage: str, fn: Callable) -> Callable:
@@ -46,22 +50,44 @@ def active_strategy():
     return _active["strategy"]
 
 
+@contextlib.contextmanager
+def local():
+    """Inside the block, fit/evaluate/predict run as plain Keras on this rank alone: no stage runs, so a model
+    created outside any strategy scope is not moved under the TorusStrategy. For single-process references
+    (tests) and a chief-only evaluation of a plain model. A model created under the strategy keeps
+    all-reducing in its step functions, so every rank must still call it."""
+    _active["local"] += 1
+    try:
+        yield
+    finally:
+        _active["local"] -= 1
+
+
+def strategy_for(model):
+    """The ``TorusStrategy`` a call on ``model`` runs under: the model's own, else the active one (or None)."""
+    from torus.integrations.keras.strategy import TorusStrategy
+
+    own = getattr(model, "_distribute_strategy", None)
+    active = _active["strategy"]
+    return own if active is not None and isinstance(own, TorusStrategy) else active
+
+
 def _wrap(original: Callable, method: str) -> Callable:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapper(model, *args, **kwargs):
-        strategy = _active["strategy"]
-        if strategy is None:
+        strategy = strategy_for(model)
+        if strategy is None or _active["local"]:
             return original(model, *args, **kwargs)
         bound = signature.bind(model, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        extra = arguments.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
+        arguments.update(arguments.pop("kwargs", {}) if "kwargs" in signature.parameters else {})
         for stage in ("model", "inputs", "callbacks"):
             for fn in _stages[stage]:
                 arguments = fn(strategy, method, arguments)
-        result = original(**arguments, **extra)
+        result = original(**arguments)
         for fn in _stages["result"]:
             result = fn(strategy, method, arguments, result)
         return result

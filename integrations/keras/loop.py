@@ -3,7 +3,8 @@
 ``allreduce_tensors`` all-reduces a list of tensors inside or outside a ``tf.function``: they are fused into one
 flat buffer per dtype and handed to ``TorusComm.allreduce`` through a single ``tf.numpy_function``, so every rank
 issues the same messages in the same order (separate calls per tensor can deadlock). ``broadcast_variables``
-copies rank 0's values into every rank's variables (eager, one ``MPI_Bcast`` per dtype).
+copies rank 0's values into every rank's variables (eager, one ``MPI_Ibcast`` per dtype, bounded by the
+stall timeout).
 
 A custom loop::
 
@@ -22,11 +23,13 @@ A custom loop::
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 import tensorflow as tf
 
-from torus import IN_PLACE, kernels
+from torus import IN_PLACE, faults, kernels
+from torus.errors import MismatchError
 from torus.ops import BFLOAT16
 
 COMPRESSION = {"none": None, "fp16": np.dtype(np.float16), "bf16": BFLOAT16}
@@ -91,6 +94,8 @@ def allreduce_tensors(host: HostAllreduce, tensors, op: str = "avg"):
     flats = [tf.concat([tf.reshape(dense[i], [-1]) for i in g], 0) for g in groups]
     reduced = tf.numpy_function(lambda *bufs: host(op, *bufs), flats, dtypes, stateful=True,
                                 name="torus_allreduce")
+    if not isinstance(reduced, (list, tuple)):  # eagerly, a one-element Tout comes back as a bare tensor
+        reduced = [reduced]
     result = [None] * len(dense)
     for g, fused, flat in zip(groups, reduced, flats):
         fused.set_shape(flat.shape)
@@ -100,18 +105,41 @@ def allreduce_tensors(host: HostAllreduce, tensors, op: str = "avg"):
     return result
 
 
+def stall_timeout(torus_comm):
+    """Seconds ``torus_comm``'s collectives wait without progress before ``TimeoutError`` (None: forever)."""
+    # TorusComm keeps the resolved value (argument, TORUS_TIMEOUT, default) on its executor only.
+    return torus_comm._executor.timeout
+
+
 def broadcast_variables(torus_comm, variables, root: int = 0) -> None:
     """Assign rank ``root``'s values to ``variables`` (Keras or tf variables) on every rank. Eager only;
-    collective: every rank passes the same variables (shapes, dtypes, order)."""
+    collective: every rank passes the same variables (count, shapes, dtypes, order).
+
+    First every rank's list signature is all-gathered and compared (``MismatchError`` on every rank, naming
+    the ranks that differ, before any value moves); then one ``MPI_Ibcast`` per dtype. Each wait is bounded by
+    ``torus_comm``'s stall timeout: a rank that never calls (raised, exited, stuck) turns into
+    ``torus.errors.TimeoutError`` on the others instead of a hang."""
     variables = list(variables)
-    if not variables:
-        return
-    comm = torus_comm.comm
+    comm, rank, size = torus_comm.comm, torus_comm.rank, torus_comm.size
+    timeout = stall_timeout(torus_comm)
+    layout = repr([(tuple(int(d) for d in v.shape), str(v.dtype)) for v in variables]).encode()
+    mine = np.array([len(variables), zlib.crc32(layout)], np.int64)
+    every = np.empty((size, mine.size), np.int64)
+    faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
+        f"broadcast_variables on rank {rank}: no progress for {timeout:g} s checking every rank's variable "
+        "list: some rank did not call it (it raised, exited or is stuck); abort the job"))
+    differ = [r for r in range(size) if (every[r] != every[root]).any()]
+    if differ:
+        raise MismatchError(f"broadcast_variables on rank {rank}: rank(s) {differ} hold other variables than "
+                            f"rank {root} (count {[int(c) for c in every[:, 0]]} per rank, or shapes/dtypes "
+                            "differ): build the same model and optimizer on every rank")
     for dt in dict.fromkeys(v.dtype for v in variables):
         group = [v for v in variables if v.dtype == dt]
         flat = np.concatenate([np.asarray(v.numpy() if hasattr(v, "numpy") else v).reshape(-1)
                                for v in group])
-        comm.Bcast(flat.view(np.uint8), root=root)
+        what = (f"broadcast_variables on rank {rank}: no progress for {timeout} s broadcasting {flat.nbytes} "
+                f"bytes of {dt} from rank {root}: some rank died or is stuck; abort the job")
+        faults.wait(comm.Ibcast(flat.view(np.uint8), root=root), timeout, lambda what=what: what)
         offset = 0
         for v in group:
             n = int(np.prod(v.shape))

@@ -2,11 +2,13 @@
 
 Underneath it is TensorFlow's one-device strategy (variables and compute on this process' CPU or its one
 GPU) with three overrides in its extended class: the replica count is the number of MPI ranks, and
-``reduce_to`` / ``batch_reduce_to`` (which Keras 3's optimizer reaches through the replica context's
-``all_reduce`` of the gradient list) run ``torus.integrations.keras.loop.allreduce_tensors``: one fused
-``tf.numpy_function`` into ``TorusComm.allreduce`` per training step. Keras scales each rank's loss by
-``1 / num_replicas_in_sync``, so the summed gradient is the mean over the global batch and one step equals one
-single-process step on the concatenated batch (up to summation order).
+``reduce_to`` / ``batch_reduce_to`` run ``torus.integrations.keras.loop.allreduce_tensors``: one fused
+``tf.numpy_function`` into ``TorusComm.allreduce``. Keras 3's optimizer reaches them through the replica
+context's ``all_reduce`` of the gradient list, after clipping and the loss-scale check; inside ``fit`` the
+gradients are all-reduced earlier instead, at the start of ``optimizer.apply`` (``gradients.py``), and that later
+reduction passes them through. Keras scales each rank's loss by ``1 / num_replicas_in_sync``, so the summed
+gradient is the mean over the global batch and one step equals one single-process step on the concatenated
+batch (up to summation order).
 
 This relies on TensorFlow internals (``tensorflow.python.distribute.one_device_strategy.OneDeviceExtended``),
 checked on TensorFlow 2.21 / Keras 3.15, the versions pinned in pyproject.toml; tests/mpi/test_keras_*.py
@@ -14,11 +16,13 @@ guard it. Why not ``MirroredStrategy``: with one local device it never calls cus
 """
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
-from torus import TorusComm
-from torus.integrations.keras import files, fit_hook, inputs  # noqa: F401 (files registers its stage)
+from torus import TorusComm, faults
+from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics  # noqa: F401 (files registers its stage)
 from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables
 from torus.select import ALGORITHMS
 
@@ -34,6 +38,16 @@ class _TorusExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container, host: HostAllreduce, device: str):
         super().__init__(container, device)
         self._host = host
+        self._passing = 0
+
+    @contextlib.contextmanager
+    def gradients_reduced(self):
+        """While open (at trace time), reductions pass their values through: they are reduced already."""
+        self._passing += 1
+        try:
+            yield
+        finally:
+            self._passing -= 1
 
     @property
     def _num_replicas_in_sync(self):
@@ -46,6 +60,8 @@ class _TorusExtended(one_device_strategy.OneDeviceExtended):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         values = [_local(v) for v, _ in value_destination_pairs]
+        if self._passing:
+            return values
         op = "avg" if reduce_op == tf.distribute.ReduceOp.MEAN else "sum"
         return allreduce_tensors(self._host, values, op)
 
@@ -63,18 +79,39 @@ class TorusStrategy(tf.distribute.Strategy):
         strategy = TorusStrategy(algorithm="torus2d", compression="fp16")
         with strategy.scope():
             model = make_model()
-            model.compile(optimizer=LARS(...), loss=..., metrics=[...], jit_compile=False)
+            model.compile(optimizer=LARS(...), loss=..., metrics=[...])
         model.fit(strategy.shard(dataset).batch(per_rank_batch, drop_remainder=True),
-                  callbacks=strategy.callbacks() + [...], verbose=1 if strategy.is_chief else 0)
+                  callbacks=[...], verbose=1 if strategy.is_chief else 0)
 
     Each rank feeds its own shard with its per-rank batch (global batch = N x per-rank batch). Gradients are
     fused into one buffer per dtype and all-reduced with ``TorusComm.allreduce`` (``algorithm``), optionally
     sent as float16/bfloat16 (``compression``); sparse gradients are densified (see ``allreduce_tensors``).
-    ``callbacks()`` broadcasts rank 0's weights and optimizer state before the first update and averages
-    fit's logged metrics across ranks; only the chief (rank 0) should print and write checkpoints.
-    ``jit_compile=True`` is refused (XLA cannot compile the ``tf.numpy_function``). Keras clips gradients
-    (``clipnorm``, ``global_clipnorm``, ``clipvalue``) before the all-reduce, on each rank's loss-scaled local
-    gradient, so clipping does not match a single process; LARS needs none.
+
+    Inside ``fit`` / ``evaluate`` / ``predict`` (wrapped once per process, see ``fit_hook``), whatever callbacks
+    are passed and in any order:
+
+    - rank 0's model variables and optimizer state (slots, iteration count, loss scale) reach every rank before
+      the first update, after the user callbacks' ``on_train_begin`` (e.g. a restore); ``evaluate`` and
+      ``predict`` broadcast the model variables first too (``initial_state.py``);
+    - metric results are global: every metric's state variables are summed over ranks before ``result()``,
+      after every step and at the end of the epoch, exact for every Keras metric (``metrics.py``), so History,
+      EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger and ``evaluate``'s return value see the same
+      values on every rank and every rank takes the same decision; one small extra all-reduce per step;
+    - the gradients are all-reduced at the start of ``optimizer.apply`` (``gradients.py``), so
+      ``LossScaleOptimizer`` (``mixed_float16``) checks the summed gradient (a non-finite gradient on any rank
+      makes every rank skip the step and halve its loss scale), and ``clipnorm`` / ``global_clipnorm`` /
+      ``clipvalue`` clip the global gradient, both as one process on the global batch would;
+    - a model created, loaded or compiled outside ``strategy.scope()`` is moved under the strategy (its
+      optimizer too; the step functions are rebuilt), with a warning on the chief; a model of another
+      ``tf.distribute`` strategy is refused (``adopt.py``).
+
+    ``strategy.callbacks()`` returns ``[]`` (kept for existing code). ``jit_compile=True`` is refused at the
+    start of ``fit`` / ``evaluate`` (XLA cannot compile the ``tf.numpy_function``); Keras' default ``"auto"``
+    resolves to False for a model compiled under the scope, but to True on a machine with a GPU for one
+    compiled outside it. Only the chief (rank 0) should print. ``train_on_batch`` / ``test_on_batch`` are not
+    wrapped: they all-reduce gradients (Keras' own late all-reduce, so clipping and the loss-scale check stay
+    local) and return global metrics, but broadcast nothing and do not move a model created outside the scope.
+    ``BatchNormalization`` normalizes over each rank's part of the batch unless ``synchronized=True``.
 
     Parameters
     ----------
@@ -83,25 +120,37 @@ class TorusStrategy(tf.distribute.Strategy):
     algorithm : str
         "auto", "ring", "hierarchical", "torus2d" or "native".
     compression : str
-        "none", "fp16" or "bf16": the wire format of the float32 gradient buffer.
+        "none", "fp16" or "bf16": the wire format of the float32 gradient buffer (metric states always travel
+        uncompressed).
     comm : mpi4py.MPI.Intracomm or TorusComm, optional
-        The ranks (default ``MPI.COMM_WORLD``); a ``TorusComm`` is used as is (``dims`` then ignored).
+        The ranks (default ``MPI.COMM_WORLD``); a ``TorusComm`` is used as is (``dims`` then ignored). Its stall
+        timeout (``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``, default 600 s) bounds every collective the
+        strategy issues, the initial broadcast included.
     device : str
         Where variables and compute live (default "/cpu:0").
+    abort_on_exception : bool
+        Install ``torus.faults.abort_on_exception`` for the strategy's communicator (default True), so an
+        uncaught exception on any rank ends the whole job instead of leaving the other ranks waiting.
 
     Collective: every rank constructs it together. Raises ``ValueError`` for an unknown algorithm or
     compression.
     """
 
     def __init__(self, dims=None, algorithm: str = "auto", compression: str = "none", comm=None,
-                 device: str = "/cpu:0"):
+                 device: str = "/cpu:0", abort_on_exception: bool = True):
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"TorusStrategy: unknown algorithm {algorithm!r}; expected auto or one of "
                              f"{', '.join(ALGORITHMS)}")
         torus_comm = comm if isinstance(comm, TorusComm) else TorusComm(comm, dims)
+        if abort_on_exception:
+            faults.abort_on_exception(torus_comm.comm)
         self.host = HostAllreduce(torus_comm, algorithm, compression)
+        self.metrics_host = HostAllreduce(torus_comm, "auto", "none")
         super().__init__(_TorusExtended(self, self.host, device))
+        fit_hook.register("model", adopt.adopt_model)
+        fit_hook.register("callbacks", initial_state.add_initial_state)
         fit_hook.install(self)
+        metrics.install()
 
     @property
     def torus_comm(self) -> TorusComm:
@@ -132,16 +181,16 @@ class TorusStrategy(tf.distribute.Strategy):
         return allreduce_tensors(self.host, list(grads), op)
 
     def broadcast_variables(self, variables, root: int = 0) -> None:
-        """Give every rank rank ``root``'s values (eager, collective); see ``loop.broadcast_variables``."""
+        """Give every rank rank ``root``'s values (eager, collective, bounded by the stall timeout); see
+        ``loop.broadcast_variables``."""
         broadcast_variables(self.torus_comm, variables, root)
 
     def average_logs(self, model, logs: dict) -> dict:
-        """Global values of ``model.evaluate(..., return_dict=True)``'s logs: call right after evaluate, on
-        every rank (collective); weights each rank by its sample count. Returns ``logs``, updated in place."""
-        from torus.integrations.keras.callbacks import average_logs, loss_samples
-        return average_logs(self.torus_comm, logs, loss_samples(model))
+        """Returns ``logs`` unchanged: ``evaluate`` under the strategy returns global values already (kept for
+        existing code that called it after ``evaluate``)."""
+        return logs
 
     def callbacks(self) -> list:
-        """The callbacks ``model.fit`` needs: initial-state broadcast (first) and metric averaging."""
-        from torus.integrations.keras.callbacks import BroadcastInitialState, MetricAverage
-        return [BroadcastInitialState(self), MetricAverage(self)]
+        """``[]``: the initial broadcast and global metrics happen inside ``fit`` without callbacks (kept for
+        existing code that lists ``strategy.callbacks() + [...]``)."""
+        return []

@@ -16,7 +16,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
-from torus.integrations.keras import LARS, HostAllreduce, TorusStrategy, allreduce_tensors  # noqa: E402
+from torus.integrations.keras import LARS, HostAllreduce, TorusStrategy, allreduce_tensors, fit_hook  # noqa: E402
 
 B, STEPS = 12, 5  # global batch (divisible by 1, 2, 3) and steps per test
 
@@ -67,7 +67,8 @@ def reference_fit(x, y, build=dense_model, weights=None, **fit_kw):
     model.set_weights(weights)
     compile_(model, metrics=["accuracy"])
     rec = Record()
-    hist = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0, callbacks=[rec], **fit_kw)
+    with fit_hook.local():
+        hist = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0, callbacks=[rec], **fit_kw)
     return rec.steps, hist.history, model
 
 
@@ -99,7 +100,8 @@ def test_fit_matches_one_process_and_metrics_are_global(world, strategy):
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
         assert hist[key][0] == pytest.approx(ref_hist[key][0], rel=1e-5, abs=1e-6), key
     got = strategy.average_logs(model, model.evaluate(xv, yv, batch_size=4, verbose=0, return_dict=True))
-    want = ref_model.evaluate(xv, yv, batch_size=4, verbose=0, return_dict=True)
+    with fit_hook.local():
+        want = ref_model.evaluate(xv, yv, batch_size=4, verbose=0, return_dict=True)
     for key in ("loss", "accuracy"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), f"evaluate {key}"
 

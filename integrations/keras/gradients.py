@@ -1,0 +1,49 @@
+"""Gradients all-reduced at the start of ``optimizer.apply``, before anything looks at them.
+
+Keras 3's TensorFlow optimizer sums gradients across replicas late, inside ``_backend_update_step``: after
+``LossScaleOptimizer`` checked them for inf/nan and after ``clipnorm`` / ``global_clipnorm`` / ``clipvalue``.
+Under data parallelism both would then act on each rank's local gradient: one rank skips a step the others
+take (their all-reduces pair off wrongly or hang), and clipping differs from one process. Summing first makes
+both act on the global gradient, as one process on the global batch does: a non-finite local gradient makes
+the sum non-finite (IEEE sums keep inf and nan), every rank sees the same bits and takes the same branch.
+With ``gradient_accumulation_steps`` every micro-step's gradient is summed (the same total, more traffic).
+
+``reduce_first(optimizer, strategy)`` replaces ``optimizer.apply`` on that instance (the outermost optimizer
+the model holds, e.g. the ``LossScaleOptimizer``); the inner all-reduce Keras still reaches passes the values
+through (``_TorusExtended.gradients_reduced``). The wrapper acts only inside ``strategy.run`` (the replica
+context of that strategy), exactly where Keras would all-reduce; a custom loop calling ``apply_gradients``
+outside it is untouched.
+"""
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+
+from torus.integrations.keras.loop import allreduce_tensors
+
+
+def reduce_first(optimizer, strategy) -> bool:
+    """Make ``optimizer.apply`` (and so ``apply_gradients``) sum the gradients over ranks first; idempotent.
+    Returns True when it changed ``optimizer`` now (a step function traced before must be traced again)."""
+    current = optimizer.__dict__.get("apply")
+    if current is not None and getattr(current, "_torus_strategy", None) is strategy:
+        return False
+    original = type(optimizer).apply.__get__(optimizer)
+
+    @functools.wraps(original)
+    def apply(grads, trainable_variables=None):
+        context = tf.distribute.get_replica_context()
+        extended = strategy.extended
+        if context is None or context.strategy is not strategy or extended._passing:
+            return original(grads, trainable_variables)
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for i, g in zip(present, allreduce_tensors(strategy.host, [grads[i] for i in present], "sum")):
+            grads[i] = g
+        with extended.gradients_reduced():
+            return original(grads, trainable_variables)
+
+    apply._torus_strategy = strategy  # type: ignore[attr-defined]
+    object.__setattr__(optimizer, "apply", apply)
+    return True

@@ -1,0 +1,58 @@
+"""Stage "callbacks" of ``fit_hook``: rank 0's state reaches every rank before the first update.
+
+``add_initial_state`` appends an ``InitialState`` callback to the call's callbacks (after the user's, so a
+callback that restores weights in ``on_train_begin`` runs first; before the History and progress bar Keras
+adds). At ``on_train_begin`` it builds the optimizer if needed (its slots, iteration count and loss scale must
+exist to be copied) and broadcasts rank 0's model variables and optimizer variables; at the start of a
+standalone ``evaluate`` / ``predict`` it broadcasts the model variables, so every rank evaluates rank 0's
+model. Broadcasting after the first batch, as Horovod's callback does, would apply step 1 to weights that
+differ between ranks. The validation ``evaluate`` inside ``fit`` reuses fit's callback list, which holds the
+callback already: nothing is added or broadcast again, and ``strategy.callbacks()`` adds nothing (it is ``[]``).
+"""
+from __future__ import annotations
+
+import keras
+
+
+class InitialState(keras.callbacks.Callback):
+    """Broadcasts rank 0's model (and, in ``fit``, optimizer) variables at the start of the call; see the
+    module docstring. Collective: every rank's call must hold it."""
+
+    def __init__(self, strategy):
+        super().__init__()
+        self.strategy = strategy
+        self._fitting = False
+
+    def on_train_begin(self, logs=None):
+        self._fitting = True
+        model, optimizer = self.model, self.model.optimizer
+        if not optimizer.built:
+            with self.strategy.scope():
+                optimizer.build(model.trainable_variables)
+        self.strategy.broadcast_variables(list(model.variables) + list(optimizer.variables))
+
+    def on_train_end(self, logs=None):
+        self._fitting = False
+
+    def on_test_begin(self, logs=None):
+        if not self._fitting:
+            self.strategy.broadcast_variables(self.model.variables)
+
+    def on_predict_begin(self, logs=None):
+        self.strategy.broadcast_variables(self.model.variables)
+
+
+def add_initial_state(strategy, method: str, arguments: dict) -> dict:
+    """Stage "callbacks": append an ``InitialState`` unless the call's callbacks hold one already."""
+    callbacks = arguments.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        if not any(isinstance(c, InitialState) for c in callbacks.callbacks):
+            mine = InitialState(strategy)
+            mine.set_model(arguments["self"])
+            mine.set_params(callbacks.params)
+            callbacks.callbacks.append(mine)
+        return arguments
+    listed = keras.tree.flatten(callbacks) if callbacks else []
+    if not any(isinstance(c, InitialState) for c in listed):
+        listed.append(InitialState(strategy))
+    return {**arguments, "callbacks": listed}

@@ -1,0 +1,67 @@
+"""Shared pieces of the Keras fit tests (test_keras_callbacks/precision/adopt.py): per-rank rows of each global
+batch, a per-step weight recorder, and the checks against one process on the global batch.
+
+The reference runs on every rank: a plain Keras model (no strategy) fit on the concatenated global batch with
+the same initial weights, optimizer and callbacks. The distributed run feeds each rank its contiguous 1/size
+of every global batch (the way tests/mpi/test_keras_strategy.py does), so the two see the same batches.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+import keras  # noqa: E402
+
+B = 12  # global batch: divisible by 1, 2 and 3 ranks
+
+
+def rank_rows(n_rows: int, size: int, rank: int, batch: int = B) -> np.ndarray:
+    """Row indices this rank feeds: its contiguous 1/size of every global batch of ``batch`` rows."""
+    b = batch // size
+    return np.concatenate([np.arange(k * batch + rank * b, k * batch + (rank + 1) * b)
+                           for k in range(n_rows // batch)])
+
+
+def data(seed: int, n: int, features: int = 6, classes: int = 3):
+    """Random float32 inputs and integer labels, the same on every rank."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, features)).astype(np.float32), rng.integers(0, classes, n)
+
+
+def dense_model(features: int = 6, outputs: int = 3):
+    return keras.Sequential([keras.Input((features,)), keras.layers.Dense(9, activation="tanh"),
+                             keras.layers.Dense(outputs)])
+
+
+def initial_weights(model, seed: int):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(w.shape).astype(np.float32) * 0.5 for w in model.get_weights()]
+
+
+class Record(keras.callbacks.Callback):
+    """Weights after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append([np.array(w) for w in self.model.get_weights()])
+
+
+def assert_identical_across_ranks(world, arrays, what: str) -> None:
+    blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+    every = world.allgather(blob)
+    assert all(x == every[0] for x in every), f"{what}: differs between ranks (seen on rank {world.rank})"
+
+
+def assert_steps_match(world, steps, ref_steps, atol: float = 1e-5, what: str = "step") -> None:
+    """Same number of steps; each step's weights bitwise equal across ranks and within ``atol`` of one
+    process."""
+    assert len(steps) == len(ref_steps), f"{what}: {len(steps)} steps, one process took {len(ref_steps)}"
+    for k, (got, want) in enumerate(zip(steps, ref_steps)):
+        assert_identical_across_ranks(world, got, f"{what} {k}")
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=atol, atol=atol, err_msg=f"{what} {k}")

@@ -1,0 +1,96 @@
+"""A rank that fails before ``fit`` ends a TorusStrategy job instead of leaving the others in the initial broadcast.
+
+Each test launches ``mpiexec -n 2`` and ``-n 3`` of this file (the worker at the bottom): every rank builds a
+TorusStrategy and a small model; the last rank then leaves before ``fit``, the others call ``fit``.
+
+- it raises: the strategy installed ``torus.faults.abort_on_exception`` (the default), so its uncaught exception
+  aborts the job at once;
+- it leaves by ``sys.exit(0)`` (no exception to catch): the others wait in the initial broadcast, which is bounded
+  by the stall timeout (TORUS_TIMEOUT=3 here), raise TimeoutError naming it, and abort.
+- ``TorusStrategy(abort_on_exception=False)`` installs no hook (one rank).
+
+The 90 s bound is generous (TensorFlow takes about 10 s to start here): a correctness property, not speed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorflow")
+BOUND_S = 90
+
+
+def _mpiexec() -> str:
+    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+
+def _job(ranks: int, mode: str) -> tuple[int, float, str]:
+    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, __file__, mode]
+    env = dict(os.environ, TORUS_TIMEOUT="3", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=BOUND_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{ranks} ranks, last one leaving by {mode}: still running after {BOUND_S + 30} s:\n"
+                    f"{out[-3000:]}")
+    return proc.returncode, time.monotonic() - t0, out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("mode", ["raise", "sys.exit(0)"])
+def test_a_rank_leaving_before_fit_ends_the_job(ranks, mode):
+    rc, seconds, out = _job(ranks, mode)
+    tail = out[-3000:]
+    last = ranks - 1
+    assert rc != 0, f"exit status 0:\n{tail}"
+    assert seconds < BOUND_S, f"the job took {seconds:.0f} s (bound {BOUND_S} s):\n{tail}"
+    assert f"rank {last} leaves by {mode}" in out and "fit done" not in out, tail
+    if mode == "raise":
+        assert f"[rank {last}] uncaught RuntimeError" in out, tail
+    else:
+        survivors = [r for r in range(last) if f"broadcast_variables on rank {r}: no progress for 3" in out]
+        assert survivors and "uncaught TimeoutError" in out, tail
+
+
+def test_abort_on_exception_can_be_turned_off():
+    rc, _, out = _job(1, "optout")
+    assert rc == 0 and "hook installed: False" in out, out[-3000:]
+
+
+def worker(mode: str) -> None:
+    import numpy as np
+    import keras
+
+    from torus.integrations.keras import TorusStrategy
+
+    if mode == "optout":
+        TorusStrategy(abort_on_exception=False)
+        print(f"hook installed: {hasattr(sys.excepthook, 'torus_previous')}", flush=True)
+        return
+    strategy = TorusStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+    if strategy.rank == strategy.size - 1:
+        print(f"rank {strategy.rank} leaves by {mode}", flush=True)
+        if mode == "raise":
+            raise RuntimeError("the last rank fails before fit on purpose")
+        sys.exit(0)
+    model.fit(np.ones((4, 3), np.float32), np.ones((4, 2), np.float32), verbose=0)
+    print("fit done", flush=True)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
