@@ -20,7 +20,8 @@ arguments, result) -> result``) registered with ``register(stage, fn)``; stages 
 passed (``evaluate``'s private ``_use_cached_eval_dataset=True`` when ``fit`` validates). ``strategy`` is the
 model's own ``TorusStrategy`` when it was created under one, else the one created last. A process without a
 ``TorusStrategy`` (or a model of another strategy, when no TorusStrategy exists) runs Keras unchanged, and so
-does every call inside ``with fit_hook.local():``.
+do every call inside ``with fit_hook.local():`` and a model whose optimizer all-reduces by itself (Horovod's
+``DistributedOptimizer``, outside any strategy scope).
 """
 from __future__ import annotations
 
@@ -72,13 +73,27 @@ def strategy_for(model):
     return own if active is not None and isinstance(own, TorusStrategy) else active
 
 
+def _self_distributed(model) -> bool:
+    """True when the model's optimizer (or one it wraps) all-reduces by itself and the model is of no strategy:
+    Horovod's ``DistributedOptimizer`` (``torus.integrations.keras.horovod``), whose users feed per-rank data
+    and average metrics with callbacks, as in Horovod. Such a model runs as plain Keras on every rank."""
+    if getattr(model, "_distribute_strategy", None) is not None:
+        return False
+    optimizer, seen = getattr(model, "optimizer", None), 0
+    while optimizer is not None and seen < 8:
+        if getattr(optimizer, "_torus_self_distributed", False):
+            return True
+        optimizer, seen = getattr(optimizer, "inner_optimizer", None), seen + 1
+    return False
+
+
 def _wrap(original: Callable, method: str) -> Callable:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapper(model, *args, **kwargs):
         strategy = strategy_for(model)
-        if strategy is None or _active["local"]:
+        if strategy is None or _active["local"] or _self_distributed(model):
             return original(model, *args, **kwargs)
         bound = signature.bind(model, *args, **kwargs)
         bound.apply_defaults()

@@ -1,9 +1,10 @@
-"""Shared pieces of the Keras fit tests (test_keras_callbacks/precision/adopt.py): per-rank rows of each global
-batch, a per-step weight recorder, and the checks against one process on the global batch.
+"""Shared pieces of the Keras fit tests (test_keras_callbacks/precision/adopt/batchnorm.py): data, models, a
+per-step weight recorder, and the checks against one process on the global batch.
 
-The reference runs on every rank: a plain Keras model (no strategy) fit on the concatenated global batch with
-the same initial weights, optimizer and callbacks. The distributed run feeds each rank its contiguous 1/size
-of every global batch (the way tests/mpi/test_keras_strategy.py does), so the two see the same batches.
+The reference runs on every rank: a plain Keras model (no strategy, inside ``fit_hook.local()``) fit on the
+same arrays with the same global batch, initial weights, optimizer and callbacks. The distributed run is plain
+user code too: the same arrays and ``batch_size`` (the global batch; each rank trains on its contiguous 1/size
+of every batch).
 """
 from __future__ import annotations
 
@@ -15,13 +16,6 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
 B = 12  # global batch: divisible by 1, 2 and 3 ranks
-
-
-def rank_rows(n_rows: int, size: int, rank: int, batch: int = B) -> np.ndarray:
-    """Row indices this rank feeds: its contiguous 1/size of every global batch of ``batch`` rows."""
-    b = batch // size
-    return np.concatenate([np.arange(k * batch + rank * b, k * batch + (rank + 1) * b)
-                           for k in range(n_rows // batch)])
 
 
 def data(seed: int, n: int, features: int = 6, classes: int = 3):

@@ -16,8 +16,7 @@ if MPI.COMM_WORLD.Get_size() not in (1, 2, 3):
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
-from kerasref import (B, Record, assert_steps_match, data, dense_model, initial_weights,  # noqa: E402
-                      rank_rows)
+from kerasref import B, Record, assert_steps_match, data, dense_model, initial_weights  # noqa: E402
 
 from torus.integrations.keras import TorusStrategy, fit_hook  # noqa: E402
 
@@ -34,10 +33,9 @@ def compile_(model, **kw):
         from_logits=True), metrics=["accuracy"], **kw)
 
 
-def fit(model, x, y, batch, strategy=None):
+def fit(model, x, y, batch):
     rec = Record()
-    rows = np.arange(len(x)) if strategy is None else rank_rows(len(x), strategy.size, strategy.rank)
-    hist = model.fit(x[rows], y[rows], batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[rec])
+    hist = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[rec])
     return rec.steps, hist.history
 
 
@@ -46,7 +44,7 @@ def fit_moved(strategy, model):
     x, y = data(seed=1, n=B * STEPS)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = fit(model, x, y, B // strategy.size, strategy)
+        got = fit(model, x, y, B)
     moved = [w for w in seen if "outside strategy.scope()" in str(w.message)]
     assert len(moved) == (1 if strategy.is_chief else 0)
     return got
@@ -101,7 +99,7 @@ def test_model_of_another_strategy_is_refused(strategy):
         compile_(model)
     x, y = data(seed=5, n=B)
     with pytest.raises(ValueError, match=f"on rank {strategy.rank}: .*OneDeviceStrategy"):
-        model.fit(x, y, batch_size=B // strategy.size, verbose=0)
+        model.fit(x, y, batch_size=B, verbose=0)
 
 
 def test_jit_compile_true_is_refused(strategy):
@@ -109,8 +107,8 @@ def test_jit_compile_true_is_refused(strategy):
         model = dense_model()
         compile_(model, jit_compile=True)
     x, y = data(seed=6, n=B)
-    for call in (lambda: model.fit(x, y, batch_size=B // strategy.size, verbose=0),
-                 lambda: model.evaluate(x, y, batch_size=B // strategy.size, verbose=0)):
+    for call in (lambda: model.fit(x, y, batch_size=B, verbose=0),
+                 lambda: model.evaluate(x, y, batch_size=B, verbose=0)):
         with pytest.raises(ValueError, match=f"on rank {strategy.rank}: .*jit_compile=False"):
             call()
 
@@ -126,9 +124,9 @@ def test_jit_compile_auto_with_a_gpu(strategy, monkeypatch):
     compile_(outside)
     assert outside.jit_compile
     with pytest.raises(ValueError, match=f"on rank {strategy.rank}: .*'auto'"):
-        outside.fit(x, y, batch_size=B // strategy.size, verbose=0)
+        outside.fit(x, y, batch_size=B, verbose=0)
     with strategy.scope():
         inside = dense_model()
         compile_(inside)
     assert not inside.jit_compile
-    inside.fit(x, y, batch_size=B // strategy.size, verbose=0)
+    inside.fit(x, y, batch_size=B, verbose=0)

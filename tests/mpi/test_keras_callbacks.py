@@ -17,7 +17,7 @@ if MPI.COMM_WORLD.Get_size() not in (1, 2, 3):
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 from kerasref import (B, Record, assert_identical_across_ranks, assert_steps_match, data,  # noqa: E402
-                      dense_model, initial_weights, rank_rows)
+                      dense_model, initial_weights)
 
 from torus.integrations.keras import TorusStrategy, fit_hook  # noqa: E402
 
@@ -87,17 +87,17 @@ def test_plateau_callbacks_and_history_match_one_process(world, strategy, tmp_pa
         opt = model.optimizer  # and this: rank 0's optimizer state is a fresh one's
         for v in [opt.iterations] + [v for v in opt.variables if "momentum" in v.name]:
             v.assign(np.full(v.shape, strategy.rank, v.dtype))
-    mine = np.array_split(np.arange(31), strategy.size)[strategy.rank]  # uneven: counts must weigh
-    csv_path = tmp_path / f"rank{world.rank}.csv"
-    steps, hist = fit(model, x[rank_rows(len(x), strategy.size, strategy.rank)],
-                      y[rank_rows(len(x), strategy.size, strategy.rank)], xv[mine], yv[mine],
-                      B // strategy.size, user_callbacks(dv, dl, csv_path))
+    csv_path = tmp_path / f"rank{world.rank}.csv"  # 31 validation rows: uneven shares, counts must weigh
+    steps, hist = fit(model, x, y, xv, yv, B, user_callbacks(dv, dl, csv_path))
 
     assert_steps_match(world, steps, ref_steps)
     assert sorted(hist) == sorted(ref_hist)
     for key, values in hist.items():
         assert values == pytest.approx(ref_hist[key], rel=1e-5, abs=1e-6), key
         assert_identical_across_ranks(world, [np.array(values)], f"history {key}")
+    if not strategy.is_chief:  # CSVLogger writes on the chief only (files.py)
+        assert not csv_path.exists()
+        return
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(ref_hist["loss"])
@@ -119,11 +119,10 @@ def test_evaluate_and_predict_are_global(world, strategy):
         model = dense_model(outputs=1)
         model.set_weights([w + strategy.rank for w in w0])  # evaluate must use rank 0's weights
         compile_(model)
-    mine = np.array_split(np.arange(31), strategy.size)[strategy.rank]
-    got = model.evaluate(x[mine], y[mine], batch_size=4, verbose=0, return_dict=True)
+    got = model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
     for key in ("loss", "binary_accuracy", "auc", "precision"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), f"evaluate {key}"
-    listed = model.evaluate(x[mine], y[mine], batch_size=4, verbose=0)
+    listed = model.evaluate(x, y, batch_size=4, verbose=0)
     assert listed == pytest.approx(want_list, rel=1e-5, abs=1e-6)
     model.set_weights([w + strategy.rank for w in w0])
     np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), want_rows,

@@ -20,7 +20,7 @@ if MPI.COMM_WORLD.Get_size() not in (1, 2, 3):
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 from kerasref import (B, Record, assert_identical_across_ranks, assert_steps_match, data,  # noqa: E402
-                      dense_model, initial_weights, rank_rows)
+                      dense_model, initial_weights)
 
 from torus.integrations.keras import TorusStrategy, fit_hook  # noqa: E402
 
@@ -53,8 +53,7 @@ def run(model, x, y, batch, optimizer_fn, strategy=None):
     else:
         with strategy.scope():
             model.compile(optimizer_fn(), loss())
-        rows = rank_rows(len(x), strategy.size, strategy.rank)
-        model.fit(x[rows], y[rows], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
     return rec.steps
 
 
@@ -67,7 +66,7 @@ def pair(strategy, optimizer_fn, x, y, seed):
     with strategy.scope():
         model = dense_model()
     model.set_weights([w + strategy.rank for w in w0])  # the initial broadcast must undo this
-    steps = run(model, x, y, B // strategy.size, optimizer_fn, strategy)
+    steps = run(model, x, y, B, optimizer_fn, strategy)
     return steps, model, ref_steps, ref
 
 

@@ -13,10 +13,29 @@ import warnings
 import keras
 import numpy as np
 
-from torus.integrations.keras.callbacks import average_logs, loss_samples
 from torus.integrations.keras.horovod.basics import rank, size, torus_comm
 from torus.integrations.keras.horovod.collectives import broadcast_variables
 from torus.integrations.keras.horovod.optimizer import is_distributed
+
+
+def loss_samples(model) -> float:
+    """Samples behind the model's current loss value (its loss tracker's count); 1.0 without a tracker."""
+    for metric in model.metrics:
+        if metric.name == "loss" and hasattr(metric, "count"):
+            return float(np.asarray(metric.count))
+    return 1.0
+
+
+def average_logs(torus_comm, logs: dict, samples: float, keys) -> dict:
+    """Replace ``logs[k]`` (numeric scalars among ``keys``) by ``sum_r n_r * v_r / sum_r n_r`` over ranks, with
+    ``n_r = samples`` on rank r. Collective (one small all-reduce); returns ``logs``."""
+    keys = sorted(k for k in keys
+                  if isinstance(logs[k], (int, float, np.integer, np.floating)) and not isinstance(logs[k], bool))
+    local = np.array([samples] + [samples * float(logs[k]) for k in keys], np.float64)
+    total = torus_comm.allreduce(local, op="sum", algorithm="native")
+    for k, v in zip(keys, total[1:]):
+        logs[k] = float(v / total[0])
+    return logs
 
 
 def check_trainable(model, what: str) -> None:

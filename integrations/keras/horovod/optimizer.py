@@ -41,6 +41,8 @@ class _Reducer:
 class _DistributedMixin:
     """Placed before the wrapped optimizer's class in the MRO; ``self._torus`` is a ``_Reducer``."""
 
+    _torus_self_distributed = True  # fit_hook leaves its models to plain Keras (Horovod's semantics)
+
     def build(self, variables):
         super().build(variables)
         state = self._torus
