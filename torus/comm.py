@@ -31,7 +31,7 @@ from torus import device, faults, kernels
 from torus.algorithms import hierarchical, native, ring, staged, torus2d
 from torus.algorithms.executor import Executor
 from torus.errors import MismatchError
-from torus.ops import DTYPE_CODE, OPS, check_op_dtype
+from torus.ops import DTYPE_CODE, OPS, avg_factors, check_op_dtype
 from torus.partition import displacements
 from torus.select import ALGORITHMS, choose
 
@@ -73,6 +73,13 @@ def _ranks(ranks: list) -> str:
             runs.append(str(lo) if lo == a else f"{lo}-{a}")
             lo = b
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
+
+
+def _prescale(buf, pre: float) -> None:
+    """Scale the working copy of this rank's input by the avg pre-factor (``ops.avg_factors``) before any
+    message leaves: partial sums then cannot overflow where the mean fits."""
+    if pre != 1.0 and buf.size:
+        kernels.scale(buf, pre)
 
 
 def _env_float(name: str, default):
@@ -364,12 +371,13 @@ class TorusComm:
         algo = self._algorithm(what, algorithm, count * dt.itemsize, sendbuf is None)
         if self.check:
             self._agree(what, algo, op, dt, count, None)
-        scale = 1.0 / self.size if op == "avg" else 1.0
+        pre, scale = avg_factors(dt, self.size) if op == "avg" else (1.0, 1.0)
         if device.is_device(recvbuf):
             buf = device.view(recvbuf).reshape(-1)
             src = buf if sendbuf is None else device.view(sendbuf).reshape(-1)
             if algo == "native" or not self._on_gpu(buf):
                 host = self._stage("stage", src)
+                _prescale(host, pre)
                 if algo == "native":
                     native.allreduce(self.comm, host, op, scale)
                 else:
@@ -379,13 +387,16 @@ class TorusComm:
             else:
                 if sendbuf is not None:
                     device.copy(buf, src)
+                _prescale(buf, pre)
                 staged.run(self._executor, f"{what}({algo})", self._plan(what, algo, count, dt.itemsize),
                            buf, op, scale)
             return recvbuf
         buf = recvbuf.reshape(-1)
+        if sendbuf is not None and (algo == "native" or pre != 1.0):
+            np.copyto(buf, sendbuf.reshape(-1))
+            sendbuf = None
+        _prescale(buf, pre)
         if algo == "native":
-            if sendbuf is not None:
-                np.copyto(buf, sendbuf.reshape(-1))
             native.allreduce(self.comm, buf, op, scale)
             return recvbuf
         # Out of place the schedule reads sendbuf directly (no copy into recvbuf first; see executor.py).
@@ -449,13 +460,14 @@ class TorusComm:
         if self.check:
             self._agree(what, algo, op, dt, sum(counts), counts)
         lo, hi = displs[self.rank], displs[self.rank] + counts[self.rank]
-        scale = 1.0 / self.size if op == "avg" else 1.0
+        pre, scale = avg_factors(dt, self.size) if op == "avg" else (1.0, 1.0)
         if device.is_device(recvbuf):
             src = device.view(recvbuf if in_place else sendbuf).reshape(-1)
             out = device.view(recvbuf).reshape(-1)
             out = out[lo:hi] if in_place else out
             if algo == "native" or not self._on_gpu(src):  # reduce on the host, in pinned memory
                 host = self._stage("stage", src)
+                _prescale(host, pre)
                 if algo == "native":
                     hout = staged.pinned(self._executor, "stage out", out.nbytes).view(dt)
                     native.reduce_scatter(self.comm, host, hout, counts, op, scale)
@@ -467,6 +479,7 @@ class TorusComm:
             else:
                 work = staged.device_buffer(self._executor, "work", src.size, dt)
                 device.copy(work, src)
+                _prescale(work, pre)
                 staged.run(self._executor, f"{what}({algo})", self._plan(what, algo, tuple(counts),
                                                                          dt.itemsize), work, op, scale)
                 device.copy(out, work[lo:hi])
@@ -476,8 +489,11 @@ class TorusComm:
         # The schedules write into a reusable working buffer and read the input from src (never written), so
         # sendbuf (and, in place, every block but ours) stays untouched without copying it first.
         work = self._executor.buffer("work", src.nbytes).view(dt)
-        if algo == "native":
+        if algo == "native" or pre != 1.0:
             np.copyto(work, src)
+            _prescale(work, pre)
+            src = None
+        if algo == "native":
             native.reduce_scatter(self.comm, work, out, counts, op, scale)
         else:
             self._executor.run(f"{what}({algo})", self._plan(what, algo, tuple(counts), dt.itemsize), work,
