@@ -164,5 +164,5 @@ def kind(cnp.ndarray a not None):
 
 
 def raw_reduce():
-    """A capsule holding ``_reduce_raw`` (for torus._ext._sched, which calls it without Python)."""
+    """A capsule holding ``_reduce_raw`` (for torus._ext._step_loop, which calls it without Python)."""
     return PyCapsule_New(<void*>_reduce_raw, b"torus._ext._reduce.raw", NULL)

@@ -1,5 +1,5 @@
-"""The staged executor (``torus/algorithms/staged.py``, ``TorusComm(gpu_reduce=True)``) gives the bits of the
-host executor for random plans whose regions are sent, reduced or scaled on the device, and sent again: the
+"""The step interpreter with device memory (``torus/runtime/memory.py``,
+``TorusComm(gpu_reduce=True)``) gives the bits of the host executor for random plans whose regions are sent, reduced or scaled on the device, and sent again: the
 staging marks ``Executor.compile`` puts on each send (which regions changed on the device since they were
 last copied to the host mirror) are what this checks; the real schedules' patterns rarely send a region
 twice, so tests/mpi/test_device.py alone would not notice a missing mark.
@@ -27,8 +27,7 @@ if not cuda.to_device.__module__.startswith("numba.cuda.simulator") and not cuda
 
 from test_executor_out_of_place import _random_plan  # noqa: E402
 
-from torus.algorithms import staged  # noqa: E402
-from torus.algorithms.executor import Executor  # noqa: E402
+from torus.runtime.executor import Executor  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -43,5 +42,5 @@ def test_staged_equals_host(seed):
     host = x.copy()
     ex.run("test", plan, host, "sum", 0.5)
     dev = cuda.to_device(x)
-    staged.run(ex, "test", plan, dev, "sum", 0.5)
+    ex.run_device("test", plan, dev, "sum", 0.5)
     np.testing.assert_array_equal(dev.copy_to_host().view(np.uint32), host.view(np.uint32))

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from torus.algorithms import hierarchical, ring, torus2d
+from torus.schedules import hierarchical, ring, torus2d
 from torus.partition import chunks, displacements, segments
 
 

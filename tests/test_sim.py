@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from torus.algorithms.plan import Recv, Send, Step
+from torus.schedules.plan import Recv, Send, Step
 from torus.partition import chunks
 from torus.sim import closed_form, replay
 from torus.sim.cli import main

@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import device
-from torus.algorithms import native
+from torus.runtime import native
 from torus.ops import check_op_dtype
 from torus.partition import displacements
 

@@ -16,9 +16,9 @@ import os
 from mpi4py import MPI
 
 from torus import agreement, buffers, kernels
-from torus.algorithms import staged
-from torus.algorithms.build import build, effective
-from torus.algorithms.executor import Executor
+from torus.runtime import memory
+from torus.schedules.build import build, effective
+from torus.runtime.executor import Executor
 from torus.ops import avg_factors
 from torus.select import ALGORITHMS, choose
 from torus.topology import Topology, node_indices
@@ -54,7 +54,7 @@ class TorusComm:
         (default 600, ``TORUS_TIMEOUT``; 0 or None waits forever).
     gpu_reduce : bool or None
         GPU buffers only. True: the buffer stays on the GPU, every message is staged through a pinned host
-        mirror and reduced on the GPU by the Numba-CUDA kernels (``torus/algorithms/staged.py``). False: the
+        mirror and reduced on the GPU by the Numba-CUDA kernels (``torus/runtime/memory.py``). False: the
         whole buffer is copied to pinned host memory, reduced there by the host schedule and kernels, and
         copied back. None (default; ``TORUS_GPU_REDUCE=1``/``0`` force it): True from ``GPU_REDUCE_MIN_BYTES``
         (16 MiB) up, where the two measured level (bench/README.md, "On a GPU"). Same results to the bit
@@ -151,12 +151,12 @@ class TorusComm:
                                                                  itemsize, total)
         return compiled
 
-    def _buffer(self, memory: str, name: str, count: int, dtype):
-        if memory == "host":
+    def _buffer(self, kind: str, name: str, count: int, dtype):
+        if kind == "host":
             return self._executor.buffer(name, count * dtype.itemsize).view(dtype)
-        if memory == "pinned":
-            return staged.pinned(self._executor, name, count * dtype.itemsize).view(dtype)
-        return staged.device_buffer(self._executor, name, count, dtype)
+        if kind == "pinned":
+            return memory.pinned(self._executor, name, count * dtype.itemsize).view(dtype)
+        return memory.device_buffer(self._executor, name, count, dtype)
 
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
         """Resolve, choose, agree and run one call; returns what the collective returns."""
@@ -185,7 +185,7 @@ class TorusComm:
             plan = self._plan(spec.name, algo, p.count if p.counts is None else tuple(p.counts),
                               p.dtype.itemsize)
             if memory == "device":
-                staged.run(self._executor, name, plan, p.work, op, scale)
+                self._executor.run_device(name, plan, p.work, op, scale)
             else:
                 self._executor.run(name, plan, p.work, op, scale, p.src if p.lazy else None,
                                    (p.own.start, p.own.stop) if spec.output_own else None)

@@ -1,6 +1,6 @@
 """Collectives on GPU buffers: every algorithm, grid and node layout, both ways of handling them (``host``:
 the whole buffer reduced in pinned host memory; ``gpu``: ``gpu_reduce=True``, reduced on the GPU with each
-message staged through a host mirror, ``torus/algorithms/staged.py``), against MPI_Allreduce (oracle.py) and
+message staged through a host mirror, ``torus/runtime/memory.py``), against MPI_Allreduce (oracle.py) and
 bit for bit against the same call on host buffers.
 
 Without a GPU this runs under numba's CUDA simulator (turned on here, before numba.cuda is first imported in
@@ -149,14 +149,15 @@ def test_allgather(case, staging, pattern, mode, rng):
 
 @pytest.mark.parametrize("threshold, on_gpu", [(1 << 30, False), (64, True)])
 def test_by_default_large_buffers_are_reduced_on_the_gpu(monkeypatch, threshold, on_gpu, rng):
-    """gpu_reduce=None: the GPU path (staged.run) from GPU_REDUCE_MIN_BYTES up, the host path below; the
+    """gpu_reduce=None: the GPU path (Executor.run_device) from GPU_REDUCE_MIN_BYTES up, the host path below; the
     threshold is lowered here so that a simulated 37-element buffer (148 bytes) crosses it."""
     tc, algo = comm("ring", "gpu")
     tc.gpu_reduce = None
     monkeypatch.setattr(torus.comm, "GPU_REDUCE_MIN_BYTES", threshold)
     calls = []
-    real = torus.comm.staged.run
-    monkeypatch.setattr(torus.comm.staged, "run", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    runtime = type(tc._executor)
+    real = runtime.run_device
+    monkeypatch.setattr(runtime, "run_device", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     x = make(rng, np.float32, "sum", COUNT)
     d = to_device(x)
     tc.allreduce(torus.IN_PLACE, d, algorithm=algo)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torus.algorithms import hierarchical, ring, torus2d
+from torus.schedules import hierarchical, ring, torus2d
 from torus.partition import chunks
 from torus.sim.model import Layout, SimulationError
 

@@ -18,9 +18,9 @@ from collections import defaultdict
 
 import numpy as np
 
+from torus.runtime.compile import TAG_MOD
 from torus.sim.model import Cost, Layout, SimulationError
 
-_TAG_MOD = 32767  # the executor's tag is the step index modulo this
 
 
 def _stats(n):
@@ -59,7 +59,7 @@ def match(plans: dict, layout: Layout):
         if len(a) != len(b) or any(x[1] != y[1] for x, y in zip(a, b)):
             raise SimulationError(f"torus-sim on rank {dst}: the {len(b)} receives from rank {src} on the "
                                   f"{comm} communicator do not match its {len(a)} sends in number or size")
-        mismatches += sum(x[0] % _TAG_MOD != y[0] % _TAG_MOD for x, y in zip(a, b))
+        mismatches += sum(x[0] % TAG_MOD != y[0] % TAG_MOD for x, y in zip(a, b))
     return steps, sends, recvs, mismatches
 
 

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from torus.algorithms.plan import Step
+from torus.schedules.plan import Step
 from torus.sim import plans as P
 from torus.sim import replay
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError

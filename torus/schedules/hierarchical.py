@@ -14,8 +14,8 @@ numbered node by node; ``TorusComm`` falls back to the ring otherwise).
 """
 from __future__ import annotations
 
-from torus.algorithms import ring, torus2d
-from torus.algorithms.plan import Recv, Send, Step, pad
+from torus.schedules import ring, torus2d
+from torus.schedules.plan import Recv, Send, Step, pad
 from torus.partition import chunks
 
 

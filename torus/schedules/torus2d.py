@@ -17,7 +17,7 @@ the node-local and cross-node communicators in their place.
 """
 from __future__ import annotations
 
-from torus.algorithms import ring
+from torus.schedules import ring
 from torus.partition import chunks
 
 

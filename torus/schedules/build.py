@@ -7,7 +7,7 @@ not equal runs of consecutive ranks (their blocks follow the rank order).
 """
 from __future__ import annotations
 
-from torus.algorithms import hierarchical, ring, torus2d
+from torus.schedules import hierarchical, ring, torus2d
 from torus.partition import displacements
 from torus.topology import Topology
 
