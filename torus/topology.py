@@ -11,6 +11,7 @@ Sub-communicators of a rank (ranks ordered by their world rank in each): ``"row"
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -79,8 +80,21 @@ class Topology:
                 "cross": lambda q: self.local_rank_of(q) == self.local_rank_of(r)}[name]
         return tuple(q for q in range(self.size) if same(q))
 
+    @cached_property
+    def _local_ranks(self) -> tuple:
+        seen: Counter = Counter()
+        out = []
+        for n in self.node_of:
+            out.append(seen[n])
+            seen[n] += 1
+        return tuple(out)
+
+    @cached_property
+    def _node_sizes(self) -> Counter:
+        return Counter(self.node_of)
+
     def local_rank_of(self, r: int) -> int:
-        return self.node_of[:r].count(self.node_of[r])
+        return self._local_ranks[r]
 
     @property
     def local_rank(self) -> int:
@@ -88,12 +102,12 @@ class Topology:
 
     @cached_property
     def local_size(self) -> int:
-        return self.node_of.count(self.node)
+        return self._node_sizes[self.node]
 
     @cached_property
     def max_local(self) -> int:
         """Ranks on the largest node."""
-        return max(self.node_of.count(n) for n in range(self.nodes))
+        return max(self._node_sizes.values())
 
     def world_rank(self, name: str, peer: int, r: int | None = None) -> int:
         """The world rank of ``peer`` (a rank within rank ``r``'s communicator ``name``)."""
