@@ -106,7 +106,7 @@ def agree(comm, rank: int, size: int, timeout, what: str, algo: str, op: str, dt
         groups: dict = {}
         for r, v in enumerate(every[:, f]):
             groups.setdefault(int(v), []).append(r)
-        shown = "; ".join(f"{ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {decode.get(f, str)(v)}"
+        shown = "; ".join(f"{ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {decode.get(int(f), str)(v)}"
                           for v, rs in groups.items())
         parts.append(f"{SIGNATURE[f]} ({shown})")
     raise MismatchError(f"{what}({algo}) on rank {rank}: ranks disagree on " + ", ".join(parts))

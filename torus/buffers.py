@@ -17,16 +17,17 @@ lands in the working buffer, which part of it is the result, and its native call
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
 from torus import device
-from torus.runtime import native
 from torus.ops import check_op_dtype
 from torus.partition import displacements
+from torus.runtime import native
 
 
 @dataclass(frozen=True)
@@ -57,20 +58,20 @@ class Placement:
     memory: str
     dtype: np.dtype
     count: int  # elements of the working buffer
-    counts: list | None  # per-rank blocks (None for all-reduce)
-    displs: list | None
+    counts: Any  # per-rank blocks, a list (None for all-reduce)
+    displs: Any
     own: slice  # this rank's block of the working buffer
     in_place: bool
-    recv: object  # recvbuf, 1-D
-    full_src: object  # the whole input (1-D), or this rank's block when the collective takes only that
-    result: object
-    work: object = None
-    src: object = None
+    recv: Any  # recvbuf, 1-D (numpy or numba device array, as every array field here)
+    full_src: Any  # the whole input (1-D), or this rank's block when the collective takes only that
+    result: Any
+    work: Any = None
+    src: Any = None
     lazy: bool = False
-    out: object = None
+    out: Any = None
 
 
-def fail(what: str, rank: int, exc, msg: str):
+def fail(what: str, rank: int, exc, msg: str) -> NoReturn:
     raise exc(f"{what} on rank {rank}: {msg}")
 
 
@@ -133,9 +134,9 @@ def resolve(spec: Collective, rank: int, size: int, sendbuf, recvbuf, op: str, r
     turns "device" into "staged" where the GPU does not reduce, then calls ``bind``)."""
     what = spec.name
     in_place = sendbuf is MPI.IN_PLACE or (sendbuf is not None and sendbuf is recvbuf)
-    counts = None if spec is ALLREDUCE else _block_counts(spec, rank, size, sendbuf, recvbuf, in_place,
-                                                          recvcounts)
-    total = None if counts is None else sum(counts)
+    counts: Any = None if spec is ALLREDUCE else _block_counts(spec, rank, size, sendbuf, recvbuf, in_place,
+                                                               recvcounts)
+    total: Any = None if counts is None else sum(counts)
     if in_place:
         recvbuf = array(what, rank, "recvbuf (in place)", recvbuf, True)
         dt = check_op_dtype(what, rank, op, recvbuf.dtype)
@@ -169,7 +170,7 @@ def resolve(spec: Collective, rank: int, size: int, sendbuf, recvbuf, op: str, r
     flat = (lambda b: device.view(b).reshape(-1)) if on_device else (lambda b: b.reshape(-1))
     recv = flat(recvbuf)
     count = recv.size if spec is ALLREDUCE else total
-    displs = None if counts is None else displacements(counts)
+    displs: Any = None if counts is None else displacements(counts)
     own = slice(0, count) if counts is None else slice(displs[rank], displs[rank] + counts[rank])
     if in_place:
         full_src = recv[own] if spec.input_own else recv

@@ -16,10 +16,10 @@ import os
 from mpi4py import MPI
 
 from torus import agreement, buffers, kernels
-from torus.runtime import memory
-from torus.schedules.build import build, effective
-from torus.runtime.executor import Executor
 from torus.ops import avg_factors
+from torus.runtime import memory
+from torus.runtime.executor import Executor
+from torus.schedules.build import build, effective
 from torus.select import ALGORITHMS, choose
 from torus.topology import Topology, node_indices
 

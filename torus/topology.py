@@ -128,6 +128,6 @@ class Topology:
         L = self.local_size
         return self.nodes * L == self.size and all(n == r // L for r, n in enumerate(self.node_of))
 
-    def hierarchical_args(self) -> tuple:
+    def hierarchical_args(self) -> tuple[int, int, int, int]:
         """``(local_rank, local_size, node, nodes)``: the hierarchical schedules' position arguments."""
         return self.local_rank, self.local_size, self.node, self.nodes

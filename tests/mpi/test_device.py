@@ -22,6 +22,7 @@ _set_here = "numba.cuda" not in sys.modules and "NUMBA_ENABLE_CUDASIM" not in os
 if _set_here:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 from numba import cuda  # noqa: E402
+
 if _set_here:
     del os.environ["NUMBA_ENABLE_CUDASIM"]
 SIMULATED = cuda.to_device.__module__.startswith("numba.cuda.simulator")
@@ -29,8 +30,19 @@ if not SIMULATED and not cuda.is_available():
     pytest.skip("numba.cuda was imported for real hardware and there is no GPU", allow_module_level=True)
 
 import torus  # noqa: E402
-from oracle import (BF16, CASES, PATTERNS, SIZE, WORLD, assert_matches, assert_same_on_all_ranks,  # noqa: E402
-                    expected, make, sentinel, torus_comm)
+from oracle import (  # noqa: E402
+    BF16,
+    CASES,
+    PATTERNS,
+    SIZE,
+    WORLD,
+    assert_matches,
+    assert_same_on_all_ranks,
+    expected,
+    make,
+    sentinel,
+    torus_comm,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 COUNT = 37

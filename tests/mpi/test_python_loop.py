@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 import torus
-from oracle import (BF16, CASES, PATTERNS, SIZE, WORLD, assert_matches, expected, make, sentinel,
-                    torus_comm)
+from oracle import BF16, CASES, PATTERNS, SIZE, WORLD, assert_matches, expected, make, sentinel, torus_comm
 from torus.runtime import c_step_loop as cloop
 
 RANK = WORLD.Get_rank()

@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import kernels
-from torus._ext import _reduce
+from torus._ext import _reduce  # type: ignore[attr-defined]  # compiled, no stubs
 from torus.runtime.compile import TAG_MOD
 
 

@@ -124,7 +124,8 @@ def _deadlines(steps: list) -> tuple:
             spans.append(st.scale)
         box = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
         writes.append((box, spans))
-    out, every = [], []
+    out: list = []
+    every: list = []
     retire: list = [[] for _ in range(len(steps) + 1)]
     for si, st in enumerate(steps):
         sends = []

@@ -28,6 +28,8 @@ Not done: CUDA-aware MPI (passing device pointers straight to MPI) and CUDA stre
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from torus import kernels
@@ -153,7 +155,7 @@ class DeviceMemory:
         self.htmp = pinned(ex, "scratch", plan.scratch * isz)
         self.htmp_el = bits(self.htmp.view(buf.dtype))
         self.raw = bits(buf)
-        self.dtmp = device_buffer(ex, "scratch", plan.scratch, buf.dtype) if plan.scratch else None
+        self.dtmp: Any = device_buffer(ex, "scratch", plan.scratch, buf.dtype) if plan.scratch else None
 
     def prefill(self, regions) -> None:
         pass  # the input is in buf already (the caller copied it on the device)

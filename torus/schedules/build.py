@@ -7,8 +7,8 @@ not equal runs of consecutive ranks (their blocks follow the rank order).
 """
 from __future__ import annotations
 
-from torus.schedules import hierarchical, ring, torus2d
 from torus.partition import displacements
+from torus.schedules import hierarchical, ring, torus2d
 from torus.topology import Topology
 
 
@@ -30,11 +30,9 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
             return torus2d.allreduce(x, y, X, Y, counts)
         return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
     displs = displacements(counts)
+    rs = collective == "reduce_scatter"
     if algorithm == "ring":
-        schedule = ring.reduce_scatter if collective == "reduce_scatter" else ring.allgather
-        return schedule("world", t.rank, t.size, counts, displs)
+        return (ring.reduce_scatter if rs else ring.allgather)("world", t.rank, t.size, counts, displs)
     if algorithm == "torus2d":
-        schedule = torus2d.reduce_scatter if collective == "reduce_scatter" else torus2d.allgather
-        return schedule(x, y, X, Y, counts, displs)
-    schedule = hierarchical.reduce_scatter if collective == "reduce_scatter" else hierarchical.allgather
-    return schedule(*t.hierarchical_args(), counts, displs)
+        return (torus2d.reduce_scatter if rs else torus2d.allgather)(x, y, X, Y, counts, displs)
+    return (hierarchical.reduce_scatter if rs else hierarchical.allgather)(*t.hierarchical_args(), counts, displs)

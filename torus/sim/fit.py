@@ -30,8 +30,8 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import kernels
-from torus.comm import TorusComm
 from torus.bench.sweep import format_size
+from torus.comm import TorusComm
 from torus.sim.model import Cost, Layout
 from torus.sim.simulate import simulate
 

@@ -124,7 +124,7 @@ def ring_orbit(size: int, count: int, comm: str, labelled_steps, world) -> RingA
     return RingArrays(np.asarray(world, np.int64), np.asarray(chunks(count, size)[0], np.int64), recv, send)
 
 
-def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays:
+def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays | RingArrays:
     """Every rank's step-aligned messages (world-rank indices) for ring or torus2d (any collective) and the
     hierarchical reduce-scatter/all-gather (the torus plans on the local x cross grid)."""
     N = layout.N
@@ -186,7 +186,7 @@ def verify(a, algorithm: str, collective: str, layout: Layout, count: int, ranks
     """Raise SimulationError unless the orbit arrays equal the real plans of ``ranks`` (at the real count)."""
     index = {int(w): i for i, w in enumerate(a.world)}.__getitem__
     cols = [index(r) for r in ranks]
-    derived = [[] for _ in ranks]
+    derived: list = [[] for _ in ranks]
     for s in range(a.nsteps):
         rp, rb, rr, sp, sb = a.row(s, cols)
         for j in range(len(cols)):
