@@ -45,22 +45,22 @@ def _mpi_dirs():
     return (found["inc"], found["lib"]) if len(found) == 2 else None
 
 
-def sched():
-    """torus._ext._sched, the C step loop (src/_sched.pyx), when MPI's headers are at hand (else the
+def step_loop():
+    """torus._ext._step_loop, the C step loop (src/_step_loop.pyx), when MPI's headers are at hand (else the
     Python loop runs; TORUS_NO_C_LOOP=1 skips it). Linked without an rpath: mpi4py has loaded libmpi.so.12
-    by the time torus imports it (torus/algorithms/cloop.py)."""
+    by the time torus imports it (torus/runtime/c_step_loop.py)."""
     if os.environ.get("TORUS_NO_C_LOOP") == "1" or sys.platform != "linux":
         return []
     dirs = _mpi_dirs()
     if dirs is None:
         print("torus: MPI headers not found; building without the C step loop", file=sys.stderr)
         return []
-    ext = kernel("_sched")
+    ext = kernel("_step_loop")
     ext.include_dirs.append(dirs[0])
     ext.library_dirs.append(dirs[1])
     ext.libraries.append("mpi")
     return [ext]
 
 
-setup(ext_modules=cythonize([kernel("_reduce"), kernel("_convert"), *sched()],
+setup(ext_modules=cythonize([kernel("_reduce"), kernel("_convert"), *step_loop()],
                             compiler_directives={"language_level": "3"}))

@@ -171,8 +171,8 @@ def check(rng) -> list[dict]:
                     if use_cupy and dtype == BF16:
                         continue  # CuPy has no bfloat16
                     a, b = _random(rng, n, dtype), _random(rng, n, dtype)
-                    fn = (lambda x, y, op=op, scale=scale: DEV.reduce_into(x, y, op, scale))
-                    got = _device_run(fn, [a, b], use_cupy)[0]
+                    got = _device_run(lambda x, y, op=op, scale=scale: DEV.reduce_into(x, y, op, scale), [a, b],
+                                      use_cupy)[0]
                     record(f"reduce_into {op} {dtype} ({lib})", got, _numpy_reduce(a, b, op, scale),
                            lambda x, y, op=op, scale=scale: HOST.reduce_into(x, y, op, scale), [a, b], 0)
     n = max(int(s) for s in ARGS.check_sizes.split(","))
@@ -182,8 +182,8 @@ def check(rng) -> list[dict]:
                 continue
             scale = 1 / 3 if op == "avg" else 1.0
             a, b = _random(rng, n, dtype), _random(rng, n, dtype)
-            fn = (lambda x, y, z, op=op, scale=scale: DEV.reduce_into(x, y, op, scale, z))
-            got = _device_run(fn, [a, b, np.zeros(n, dtype)], False)
+            got = _device_run(lambda x, y, z, op=op, scale=scale: DEV.reduce_into(x, y, op, scale, z),
+                              [a, b, np.zeros(n, dtype)], False)
             record(f"reduce_into out= {op} {dtype}", got[2], _numpy_reduce(a, b, op, scale),
                    lambda x, y, z, op=op, scale=scale: HOST.reduce_into(x, y, op, scale, z),
                    [a, b, np.zeros(n, dtype)], 2)
@@ -283,7 +283,7 @@ def bench() -> list[dict]:
                          "torus_s": t, "torus_GBps": moved / t / 1e9,
                          "baseline": None if tb is None else ("cupy" if cp is not None else "numba add"),
                          "baseline_s": tb, "baseline_GBps": None if tb is None else moved / tb / 1e9})
-            del x, y
+            x = y = fn = base_fn = None  # free this size's device arrays before the next one's
     return rows
 
 

@@ -4,7 +4,7 @@ or the same into a third array ``out``.
 
 Private: ``torus.kernels.reduce_into`` calls :func:`reduce`. One entry point for every dtype, taking numpy
 arrays through numpy's C API: the schedules call it once per segment, often on a few KiB, where the cost of
-the call itself (Cython's fused-type dispatch and two typed memoryviews, about 1 us) used to exceed the loop.
+the call itself (Cython's fused-type dispatch and two typed memoryviews) used to exceed the loop.
 float16/bfloat16 are widened to float32 for each operation and rounded once (round-to-nearest-even) when
 stored. The loops themselves are in loops.h (vectorised per CPU); this module splits the work across OpenMP
 threads.
@@ -164,5 +164,5 @@ def kind(cnp.ndarray a not None):
 
 
 def raw_reduce():
-    """A capsule holding ``_reduce_raw`` (for torus._ext._sched, which calls it without Python)."""
+    """A capsule holding ``_reduce_raw`` (for torus._ext._step_loop, which calls it without Python)."""
     return PyCapsule_New(<void*>_reduce_raw, b"torus._ext._reduce.raw", NULL)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from torus.algorithms.executor import Executor
-from torus.algorithms.plan import Recv, Scale, Send, Step
+from torus.runtime.executor import Executor
+from torus.schedules.plan import Recv, Scale, Send, Step
 
 
 def _random_plan(rng, count: int, nsteps: int) -> list:

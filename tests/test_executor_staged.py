@@ -1,8 +1,8 @@
-"""The staged executor (``torus/algorithms/staged.py``, ``TorusComm(gpu_reduce=True)``) gives the bits of the
-host executor for random plans whose regions are sent, reduced or scaled on the device, and sent again: the
-staging marks ``Executor.compile`` puts on each send (which regions changed on the device since they were
-last copied to the host mirror) are what this checks; the real schedules' patterns rarely send a region
-twice, so tests/mpi/test_device.py alone would not notice a missing mark.
+"""The step interpreter with device memory (``torus/runtime/memory.py``, ``TorusComm(gpu_reduce=True)``)
+gives the bits of the host policy for random plans whose regions are sent, reduced or scaled on the device,
+and sent again: the staging marks ``Executor.compile`` puts on each send (which regions changed on the device
+since they were last copied to the host mirror) are what this checks; the real schedules' patterns rarely
+send a region twice, so tests/mpi/test_device.py alone would not notice a missing mark.
 
 Device arrays are numba's CUDA simulator's (turned on here unless numba.cuda was imported already), plans
 talk to rank 0 of ``MPI.COMM_SELF`` as in test_executor_out_of_place.py.
@@ -20,15 +20,14 @@ _set_here = "numba.cuda" not in sys.modules and "NUMBA_ENABLE_CUDASIM" not in os
 if _set_here:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 from numba import cuda  # noqa: E402
+
 if _set_here:
     del os.environ["NUMBA_ENABLE_CUDASIM"]
 if not cuda.to_device.__module__.startswith("numba.cuda.simulator") and not cuda.is_available():
     pytest.skip("numba.cuda was imported for real hardware and there is no GPU", allow_module_level=True)
 
 from test_executor_out_of_place import _random_plan  # noqa: E402
-
-from torus.algorithms import staged  # noqa: E402
-from torus.algorithms.executor import Executor  # noqa: E402
+from torus.runtime.executor import Executor  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -43,5 +42,5 @@ def test_staged_equals_host(seed):
     host = x.copy()
     ex.run("test", plan, host, "sum", 0.5)
     dev = cuda.to_device(x)
-    staged.run(ex, "test", plan, dev, "sum", 0.5)
+    ex.run_device("test", plan, dev, "sum", 0.5)
     np.testing.assert_array_equal(dev.copy_to_host().view(np.uint32), host.view(np.uint32))

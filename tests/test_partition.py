@@ -14,8 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from torus.algorithms import hierarchical, ring, torus2d
 from torus.partition import chunks, displacements, segments
+from torus.schedules import hierarchical, ring, torus2d
 
 
 # ---------------------------------------------------------------- chunks, displacements, segments

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from torus.algorithms.plan import Recv, Send, Step
 from torus.partition import chunks
+from torus.schedules.plan import Recv, Send, Step
 from torus.sim import closed_form, replay
 from torus.sim.cli import main
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError

@@ -1,16 +1,13 @@
-"""Which algorithm ``algorithm="auto"`` picks: one ordered table, by message size and grid.
+"""Which algorithm ``algorithm="auto"`` picks: one ordered table, by message size, rank count and placement.
 
-Measured with ``torus-bench allreduce`` (float32, 4 B .. 256 MiB, bench/results/allreduce_float32_p{2,4}.txt
-and one earlier sweep of the same day) on the development machines: 2 cores, MPICH 5 over shared memory, the C
-step loop (cloop.py). MPI's own all-reduce wins while latency dominates (our schedules take more steps than
-MPI's recursive doubling); our schedules win once bandwidth dominates, out of place sooner than in place
-because they read sendbuf directly while MPI first copies it into recvbuf: at 2 ranks from 64 KiB out of place
-(0.89-0.92x native's time) and from 256 KiB in place (0.95-0.99x, 0.85-0.88x at 1 MiB); at 4 oversubscribed
-ranks from 64 KiB out of place (0.92-0.97x) and from 1 MiB in place (0.85-0.89x; 0.96-1.01x at 256 KiB, a
-tie). The 2D torus is the choice above 2 ranks (at scale it takes 2(X-1)+2(Y-1) steps against the ring's
-2(N-1)), except at 3-4 ranks above 1 MiB up to 128 MiB, where the ring measured faster here (see the rows).
-Rows for more than 4 ranks were not measured with the C loop and keep the Python loop's crossover (512 KiB).
-Rerun the sweep on your cluster and set ``TORUS_ALGO`` (or pass ``algorithm=``) to override the table.
+The rule: MPI's own all-reduce while latency dominates (our schedules take more steps than MPI's recursive
+doubling); our schedules once bandwidth dominates, out of place sooner than in place (they read sendbuf
+directly while MPI first copies it into recvbuf); the 2D torus above 2 ranks (at scale it takes
+2(X-1)+2(Y-1) steps against the ring's 2(N-1)), except where the ring measured faster. The crossovers are
+the ones measured with ``torus-bench allreduce`` (float32, 4 B .. 256 MiB, the C step loop) on 2 cores with
+MPICH over shared memory: bench/results/allreduce_float32_p{2,4}.txt, tabulated in bench/README.md. Rows for
+more than 4 ranks were not measured with the C step loop and keep the Python loop's crossover. Rerun the sweep
+on your cluster and set ``TORUS_ALGO`` (or pass ``algorithm=``) to override the table.
 """
 from __future__ import annotations
 
@@ -27,12 +24,8 @@ TABLE = (
     (2, None, None, "ring"),
     (4, 32 * 1024, None, "native"),
     (4, 512 * 1024, "in_place", "native"),
-    # 4 ranks on 2 cores (2026-11-30, C loop, two sweeps): the 2x2 torus leads to 256 KiB (0.84 against 0.92
-    # of native's time out of place), they tie at 1 MiB, the ring leads from 4 to 64 MiB (in place at 4 MiB
-    # 0.76-0.78 against 0.81-0.86, at 64 MiB 0.40-0.57 against 0.50-0.69) and the torus at 256 MiB out of
-    # place (0.73 against 0.82-0.83). Earlier interleaved runs (Python loop) agreed: the ring 1.19-1.41x faster
-    # at 64-128 MiB, the torus 1.10-1.13x at 256 MiB. Above 4 ranks the torus' fewer steps are what the table
-    # is for.
+    # 4 ranks: the 2x2 torus leads to 1 MiB, the ring from 4 to 128 MiB, the torus again above
+    # (bench/results/allreduce_float32_p4.txt); above 4 ranks the torus' fewer steps are what the table is for.
     (4, 1 << 20, None, "torus2d"),
     (4, 128 << 20, None, "ring"),
     (None, 512 * 1024, None, "native"),

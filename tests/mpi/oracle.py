@@ -91,7 +91,7 @@ def torus_comm(case: str, segment_bytes: int | None = None, c_loop: bool = True)
     """(TorusComm, algorithm) for a case; communicators are built once per configuration (collectively:
     every rank runs the same tests in the same order) and reused, so the suites do not exhaust MPI's
     communicator ids. ``c_loop=False``: host buffers run through the Python step loop even where the C one
-    (torus/algorithms/cloop.py) is available."""
+    (torus/runtime/c_step_loop.py) is available."""
     algo, kwargs = _config(case)
     key = (tuple(sorted(kwargs.items())), segment_bytes, c_loop)
     if key not in _comms:

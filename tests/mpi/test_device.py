@@ -1,6 +1,6 @@
 """Collectives on GPU buffers: every algorithm, grid and node layout, both ways of handling them (``host``:
 the whole buffer reduced in pinned host memory; ``gpu``: ``gpu_reduce=True``, reduced on the GPU with each
-message staged through a host mirror, ``torus/algorithms/staged.py``), against MPI_Allreduce (oracle.py) and
+message staged through a host mirror, ``torus/runtime/memory.py``), against MPI_Allreduce (oracle.py) and
 bit for bit against the same call on host buffers.
 
 Without a GPU this runs under numba's CUDA simulator (turned on here, before numba.cuda is first imported in
@@ -22,15 +22,29 @@ _set_here = "numba.cuda" not in sys.modules and "NUMBA_ENABLE_CUDASIM" not in os
 if _set_here:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 from numba import cuda  # noqa: E402
+
 if _set_here:
     del os.environ["NUMBA_ENABLE_CUDASIM"]
 SIMULATED = cuda.to_device.__module__.startswith("numba.cuda.simulator")
 if not SIMULATED and not cuda.is_available():
     pytest.skip("numba.cuda was imported for real hardware and there is no GPU", allow_module_level=True)
 
+from test_avg_range import assert_finite_mean, big_inputs, exact_mean  # noqa: E402
+
 import torus  # noqa: E402
-from oracle import (BF16, CASES, PATTERNS, SIZE, WORLD, assert_matches, assert_same_on_all_ranks,  # noqa: E402
-                    expected, make, sentinel, torus_comm)
+from oracle import (  # noqa: E402
+    BF16,
+    CASES,
+    PATTERNS,
+    SIZE,
+    WORLD,
+    assert_matches,
+    assert_same_on_all_ranks,
+    expected,
+    make,
+    sentinel,
+    torus_comm,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 COUNT = 37
@@ -149,14 +163,15 @@ def test_allgather(case, staging, pattern, mode, rng):
 
 @pytest.mark.parametrize("threshold, on_gpu", [(1 << 30, False), (64, True)])
 def test_by_default_large_buffers_are_reduced_on_the_gpu(monkeypatch, threshold, on_gpu, rng):
-    """gpu_reduce=None: the GPU path (staged.run) from GPU_REDUCE_MIN_BYTES up, the host path below; the
+    """gpu_reduce=None: the GPU path (Executor.run_device) from GPU_REDUCE_MIN_BYTES up, the host path below; the
     threshold is lowered here so that a simulated 37-element buffer (148 bytes) crosses it."""
     tc, algo = comm("ring", "gpu")
     tc.gpu_reduce = None
     monkeypatch.setattr(torus.comm, "GPU_REDUCE_MIN_BYTES", threshold)
     calls = []
-    real = torus.comm.staged.run
-    monkeypatch.setattr(torus.comm.staged, "run", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    runtime = type(tc._executor)
+    real = runtime.run_device
+    monkeypatch.setattr(runtime, "run_device", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     x = make(rng, np.float32, "sum", COUNT)
     d = to_device(x)
     tc.allreduce(torus.IN_PLACE, d, algorithm=algo)
@@ -179,3 +194,22 @@ def test_host_and_device_buffers_mixed_raise_before_any_message():
         tc.allreduce(d[0:8], d[4:12])
     # Every rank raised locally and (check on) announced it; this call completes those announcements.
     assert_matches(tc.allreduce(x), np.full(8, SIZE), None, "allreduce after the errors")
+
+
+@pytest.mark.parametrize("staging", STAGING)
+@pytest.mark.parametrize("case", CASES)
+def test_avg_of_large_halves_does_not_overflow(case, staging, rng):
+    """GPU buffers, both stagings: float16 inputs whose partial sums leave the range, the mean does not
+    (test_avg_range.py has the host suite and the bound)."""
+    tc, algo = comm(case, staging)
+    x = big_inputs(rng, np.dtype(np.float16), COUNT)
+    ref, bound = exact_mean(x)
+    d = to_device(x)
+    tc.allreduce(torus.IN_PLACE, d, op="avg", algorithm=algo)
+    got = to_host(d)
+    assert_finite_mean(got, ref, bound, f"device allreduce({algo}, avg, {staging})")
+    assert_same_on_all_ranks(got, f"device allreduce({algo}, avg, {staging})")
+    counts = [COUNT // SIZE + (r < COUNT % SIZE) for r in range(SIZE)]
+    lo, hi = sum(counts[:WORLD.Get_rank()]), sum(counts[:WORLD.Get_rank() + 1])
+    out = tc.reduce_scatter(to_device(x), recvcounts=counts, op="avg", algorithm=algo)
+    assert_finite_mean(to_host(out), ref[lo:hi], bound[lo:hi], f"device reduce_scatter({algo}, avg, {staging})")

@@ -18,7 +18,7 @@ import pytest
 
 import torus
 from oracle import BF16, SIZE, WORLD, assert_matches, assert_same_on_all_ranks, expected, make, torus_comm
-from torus.algorithms import native
+from torus.runtime import native
 
 
 class _Recording:

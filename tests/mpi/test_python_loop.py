@@ -1,4 +1,4 @@
-"""The two host step loops, C (torus/algorithms/cloop.py, what the other suites run where it is built) and
+"""The two host step loops, C (torus/runtime/c_step_loop.py, what the other suites run where it is built) and
 Python (executor.py, the fallback): the same results to the bit, and the Python one against the oracle, for
 every algorithm, grid and node layout, all three collectives, in and out of place, several segment sizes."""
 from __future__ import annotations
@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import torus
-from oracle import (BF16, CASES, PATTERNS, SIZE, WORLD, assert_matches, expected, make, sentinel,
-                    torus_comm)
-from torus.algorithms import cloop
+from oracle import BF16, CASES, PATTERNS, SIZE, WORLD, assert_matches, expected, make, sentinel, torus_comm
+from torus.runtime import c_step_loop as cloop
 
 RANK = WORLD.Get_rank()
 
@@ -79,7 +78,7 @@ def test_the_c_loop_is_used_where_built():
     from mpi4py import MPI
     if not MPI.Get_library_version().startswith("MPICH"):
         pytest.skip("not an MPICH library: the Python loop is the only one")
-    assert cloop.AVAILABLE, "torus._ext._sched was not built or not loaded (see setup.py: sched)"
+    assert cloop.AVAILABLE, "torus._ext._step_loop was not built or not loaded (see setup.py: sched)"
     tc, _ = torus_comm("ring")
     plan = tc._plan("allreduce", "ring", 100, 4)
     assert plan.table is not None

@@ -36,7 +36,7 @@ def environment(tc, argv) -> dict:
         "kernel_threads": kernels.get_num_threads(),
         "mpi_library": "; ".join(" ".join(line.split()) for line in MPI.Get_library_version().splitlines()
                               if line.strip()),
-        "mpi_version": "%d.%d" % MPI.Get_version(), "mpi4py": mpi4py.__version__,
+        "mpi_version": "{}.{}".format(*MPI.Get_version()), "mpi4py": mpi4py.__version__,
         "numpy": np.__version__, "python": platform.python_version(), "platform": platform.platform(),
         "torus": torus.__version__,
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},

@@ -9,6 +9,7 @@ Bandwidths are in GB/s (10**9 bytes per second), times in microseconds.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -83,7 +84,7 @@ def _period_values(op: str, rank: int) -> np.ndarray:
 def _expected_period(op: str, ranks: int, dtype: np.dtype) -> np.ndarray:
     """One period of the reduction over ``ranks`` ranks, computed on the calling rank alone."""
     table = np.stack([_period_values(op, r) for r in range(ranks)])
-    reduce = {"sum": np.sum, "avg": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
+    reduce: Any = {"sum": np.sum, "avg": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
     out = reduce(table, axis=0)
     if op == "avg":
         out = out / ranks
@@ -187,8 +188,8 @@ def time_iterations(comm: MPI.Comm, calls: list, iters: int, warmup: int) -> np.
     rank: a fixed seed), rather than one call's iterations back to back: a disturbance on a shared machine
     (another tenant, a daemon) then lands on every algorithm of the comparison alike instead of on whichever
     was running, and no call always follows the same other call (in a fixed order, ``auto``, always right
-    after MPI's own all-reduce, measured up to 15% slower than the very schedule it had picked). Measured here: back
-    to back, two runs of one identical schedule at 1 MiB differed by 20% of native's time."""
+    after MPI's own all-reduce, came out slower than the very schedule it had picked; bench/README.md has the
+    figures, and those of two back-to-back runs of one schedule)."""
     for call in calls:
         for _ in range(warmup):
             call()
@@ -235,7 +236,7 @@ def sweep(tc, collective: str, sizes, algorithms, *, dtype, op: str = "sum", ite
         count = size // dtype.itemsize
         case = _Case(tc, collective, count, dtype, op)
         pairs = [(algorithm, placement) for algorithm in algorithms for placement in PLACEMENTS]
-        wrong = {}
+        wrong: dict = {}
         for algorithm, placement in pairs:
             wrong[algorithm, placement] = None
             if check:

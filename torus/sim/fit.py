@@ -11,7 +11,7 @@ ring all-reduce through ``TorusComm`` (the per-message cost the executor adds in
 Why every rank at once, at the rank count being predicted: the model's constants describe the machine *as the
 job loads it*. With K ranks on C < K cores (4 on this 2-core machine) a rank runs a C/K share of a core and
 each step waits for its peer to be scheduled: a two-rank ping-pong with idle bystanders measures neither, and
-its constants under-predicted 4-rank times by 2-7x. Fitting at K (``--fit`` and ``--validate`` under the same
+its constants under-predicted 4-rank times several-fold. Fitting at K (``--fit`` and ``--validate`` under the same
 ``-n K``) keeps the schedules' structure -- steps, bytes, reductions per rank -- as the thing being tested.
 On a cluster with one rank per core the two fits agree; the ping-pong (``pingpong``) stays for reference.
 
@@ -30,8 +30,8 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import kernels
-from torus.comm import TorusComm
 from torus.bench.sweep import format_size
+from torus.comm import TorusComm
 from torus.sim.model import Cost, Layout
 from torus.sim.simulate import simulate
 

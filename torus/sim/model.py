@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torus.errors import TorusError
+from torus.topology import Topology
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
 
@@ -88,8 +89,13 @@ class Layout:
     def nodes(self) -> int:
         return self.N // self.ranks_per_node
 
+    def topology(self, rank: int) -> Topology:
+        """Rank ``rank``'s view of this layout, as TorusComm builds it (torus.topology)."""
+        return Topology.emulated(rank, self.N, (self.X, self.Y), self.ranks_per_node)
+
     def world(self, rank: int, comm: str, peer: int) -> int:
-        """World rank of ``peer`` in ``rank``'s communicator ``comm`` (names as in plan.py)."""
+        """World rank of ``peer`` in ``rank``'s communicator ``comm`` (names as in plan.py): the closed form of
+        ``topology(rank).world_rank(comm, peer)`` for these equal nodes, O(1) at any scale."""
         X, L = self.X, self.ranks_per_node
         if comm == "world":
             return peer

@@ -1,7 +1,7 @@
 """Each rank's plan from the real schedule code, and the rotation that derives every rank's messages from a few.
 
-``plan(algorithm, collective, rank, layout, count)`` calls torus.algorithms.{ring,torus2d,hierarchical} exactly
-as ``TorusComm`` does (allreduce over ``count`` elements; reduce-scatter and all-gather over ``count`` elements
+``plan(algorithm, collective, rank, layout, count)`` calls ``torus.schedules.build``, the builder
+``TorusComm`` uses, (allreduce over ``count`` elements; reduce-scatter and all-gather over ``count`` elements
 in total, split into ``chunks(count, N)`` blocks, one per rank).
 
 Orbits (the fast path, see torus.sim): a ring plan is rotation-equivariant (rank ``r`` does what rank 0 does,
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torus.algorithms import hierarchical, ring, torus2d
 from torus.partition import chunks
+from torus.schedules import ring, torus2d
+from torus.schedules.build import build
 from torus.sim.model import Layout, SimulationError
 
 ALGORITHMS = ("ring", "hierarchical", "torus2d")
@@ -28,23 +29,10 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 
 
 def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int):
-    """The list of Steps ``rank`` runs; ``count`` in elements."""
-    N, X, Y, L = layout.N, layout.X, layout.Y, layout.ranks_per_node
-    x, y = rank % X, rank // X
-    if collective == "allreduce":
-        if algorithm == "ring":
-            return ring.allreduce("world", rank, N, count)
-        if algorithm == "torus2d":
-            return torus2d.allreduce(x, y, X, Y, count)
-        return hierarchical.allreduce(rank % L, L, rank // L, N // L, count)
-    counts, displs = chunks(count, N)
-    module = {"ring": ring, "torus2d": torus2d, "hierarchical": hierarchical}[algorithm]
-    fn = getattr(module, collective)
-    if algorithm == "ring":
-        return fn("world", rank, N, counts, displs)
-    if algorithm == "torus2d":
-        return fn(x, y, X, Y, counts, displs)
-    return fn(rank % L, L, rank // L, N // L, counts, displs)
+    """The list of Steps ``rank`` runs; ``count`` in elements (reduce-scatter and all-gather: ``chunks(count,
+    N)`` blocks). Built by the same ``torus.schedules.build`` as TorusComm's, on the layout's topology."""
+    counts = count if collective == "allreduce" else tuple(chunks(count, layout.N)[0])
+    return build(collective, algorithm, layout.topology(rank), counts)
 
 
 @dataclass
@@ -136,7 +124,7 @@ def ring_orbit(size: int, count: int, comm: str, labelled_steps, world) -> RingA
     return RingArrays(np.asarray(world, np.int64), np.asarray(chunks(count, size)[0], np.int64), recv, send)
 
 
-def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays:
+def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays | RingArrays:
     """Every rank's step-aligned messages (world-rank indices) for ring or torus2d (any collective) and the
     hierarchical reduce-scatter/all-gather (the torus plans on the local x cross grid)."""
     N = layout.N
@@ -198,7 +186,7 @@ def verify(a, algorithm: str, collective: str, layout: Layout, count: int, ranks
     """Raise SimulationError unless the orbit arrays equal the real plans of ``ranks`` (at the real count)."""
     index = {int(w): i for i, w in enumerate(a.world)}.__getitem__
     cols = [index(r) for r in ranks]
-    derived = [[] for _ in ranks]
+    derived: list = [[] for _ in ranks]
     for s in range(a.nsteps):
         rp, rb, rr, sp, sb = a.row(s, cols)
         for j in range(len(cols)):

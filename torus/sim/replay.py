@@ -18,9 +18,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from torus.runtime.compile import TAG_MOD
 from torus.sim.model import Cost, Layout, SimulationError
-
-_TAG_MOD = 32767  # the executor's tag is the step index modulo this
 
 
 def _stats(n):
@@ -34,7 +33,8 @@ def match(plans: dict, layout: Layout):
     keys into ``sends[channel][k] = (step, count)`` and ``recvs[channel][k] = (step, count, reduce)``.
     Raises SimulationError when a channel's sends and receives differ in number or size.
     """
-    sends, recvs = defaultdict(list), defaultdict(list)
+    sends: defaultdict = defaultdict(list)
+    recvs: defaultdict = defaultdict(list)
     steps = {}
     for r in sorted(plans):
         mine = []
@@ -59,7 +59,7 @@ def match(plans: dict, layout: Layout):
         if len(a) != len(b) or any(x[1] != y[1] for x, y in zip(a, b)):
             raise SimulationError(f"torus-sim on rank {dst}: the {len(b)} receives from rank {src} on the "
                                   f"{comm} communicator do not match its {len(a)} sends in number or size")
-        mismatches += sum(x[0] % _TAG_MOD != y[0] % _TAG_MOD for x, y in zip(a, b))
+        mismatches += sum(x[0] % TAG_MOD != y[0] % TAG_MOD for x, y in zip(a, b))
     return steps, sends, recvs, mismatches
 
 
@@ -74,7 +74,7 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None):
     pos = {r: i for i, r in enumerate(ranks)}
     steps, sends, recvs, mismatches = match(plans, layout)
     st = _stats(len(ranks))
-    for (comm, src, dst), lst in sends.items():
+    for (_, src, dst), lst in sends.items():
         if dst not in pos:
             raise SimulationError(f"torus-sim on rank {src}: sends to rank {dst}, which is not simulated")
         nbytes = sum(c for _, c in lst) * itemsize
@@ -82,7 +82,7 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None):
         st["sent"][pos[src]] += nbytes
         if layout.node(src) != layout.node(dst):
             st["inter"][pos[src]] += nbytes
-    for (comm, src, dst), lst in recvs.items():
+    for (_, _, dst), lst in recvs.items():
         st["reduced"][pos[dst]] += sum(c for _, c, red in lst if red) * itemsize
 
     start = start or {}

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from torus.algorithms.plan import Step
+from torus.schedules.plan import Step
 from torus.sim import plans as P
 from torus.sim import replay
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
@@ -94,13 +94,13 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
     replayed in full before and after the leaders' cross-node ring, which runs as an orbit over all leaders.
     The node whose leader finishes the ring last finishes last (the replay is monotone in start times)."""
     L, C = layout.ranks_per_node, layout.nodes
-    node0 = {l: P.plan("hierarchical", "allreduce", l, layout, count) for l in range(L)}
+    node0 = {lr: P.plan("hierarchical", "allreduce", lr, layout, count) for lr in range(L)}
     crosses = [s for s, st in enumerate(node0[0]) if any(m.comm == "cross" for m in st.sends + st.recvs)]
     a, b = (crosses[0], crosses[-1] + 1) if crosses else (len(node0[0]), len(node0[0]))
-    mism = replay.match({l: [Step(tuple(m for m in st.sends if m.comm != "cross"),
+    mism = replay.match({lr: [Step(tuple(m for m in st.sends if m.comm != "cross"),
                                   tuple(m for m in st.recvs if m.comm != "cross"), st.scale) for st in p]
-                         for l, p in node0.items()}, layout)[3]
-    pre, st_pre, _ = replay.full({l: p[:a] for l, p in node0.items()}, layout, cost, itemsize)
+                         for lr, p in node0.items()}, layout)[3]
+    pre, st_pre, _ = replay.full({lr: p[:a] for lr, p in node0.items()}, layout, cost, itemsize)
     t_c, d_c = np.full(C, pre[0][0]), np.full(C, pre[0][1], np.int64)
     cross = {k: np.zeros(C) for k in st_pre}
     if crosses:
@@ -117,9 +117,9 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
                 raise SimulationError(f"torus-sim hierarchical allreduce on rank {n * L}: the rotated cross "
                                       "ring differs from the real plan")
         t_c, d_c, cross = replay.lockstep(arr, layout, cost, itemsize, t_c, d_c)
-    start = {l: pre[l] for l in range(L)}
+    start = {lr: pre[lr] for lr in range(L)}
     start[0] = (float(t_c.max()), int(d_c.max()))
-    post, st_post, _ = replay.full({l: (p[b:] if l == 0 else p[a:]) for l, p in node0.items()}, layout, cost,
+    post, st_post, _ = replay.full({lr: (p[b:] if lr == 0 else p[a:]) for lr, p in node0.items()}, layout, cost,
                                    itemsize, start)
     st = {}
     for k in st_pre:

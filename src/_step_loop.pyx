@@ -1,13 +1,15 @@
 # cython: boundscheck=False, wraparound=False
-"""The host executor's step loop in C: the same messages, waits and reductions as
-``torus.algorithms.executor.Executor.run`` (whose docstring describes them), driven without Python.
+"""The host memory policy's step loop in C: the same messages, waits and reductions as the Python step
+interpreter (``torus.runtime.interpreter``, whose docstring describes them), driven without Python.
 
 Why: with more ranks than cores every rank's CPU time counts twice, and the Python driving each message
-(slicing, mpi4py's argument parsing, the wait loop) cost about 200 us of an 800 us all-reduce of 1 MiB at 4
-ranks on 2 cores. Built only when the MPI headers are found (setup.py) and used only when mpi4py runs on
-an MPICH-ABI library, the one this module is compiled against (torus.algorithms.cloop checks both).
+(slicing, mpi4py's argument parsing, the wait loop) is a large share of a mid-size all-reduce there
+(bench/README.md has the figures). Built only when the MPI headers are found (setup.py) and used only when
+mpi4py runs on an MPICH-ABI library, the one this module is compiled against (torus.runtime.c_step_loop
+checks both).
 
-Private: called by ``torus.algorithms.cloop.run`` with the tables ``cloop.table`` builds from a compiled plan.
+Private: called by ``torus.runtime.c_step_loop.run`` with the tables ``c_step_loop.table`` builds from a
+compiled plan.
 """
 cimport numpy as cnp
 from cpython.pycapsule cimport PyCapsule_GetPointer
@@ -59,7 +61,6 @@ cdef enum:
     SID = 7       # a send: its index among the plan's sends
     FINAL = 8     # a reducing receive that completes its element: apply the scale
     FRESH = 9     # out of place: read src instead of buf
-    TAG_MOD = 32767
 
 BYTE_HANDLE = <long>MPI_BYTE  # compared with mpi4py's MPI.BYTE.handle before this module is used
 
@@ -100,9 +101,10 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
         const int64_t[::1] retire_lo, const int64_t[::1] tail, const int64_t[::1] send_row,
         const int64_t[:, ::1] prefill, const int64_t[::1] prefill_lo, const int64_t[:, ::1] scales,
         cnp.ndarray buf not None, cnp.ndarray src, cnp.ndarray tmp, int kind, int op, double scale,
-        int nthreads, double timeout, scale_step):
+        int nthreads, double timeout, int tag_mod, scale_step):
     """Run the plan; returns ``(status, step, row, mpi_rc)``: status 0 done, 1 timed out waiting on
-    message ``row`` in ``step``, 2 an MPI call failed with ``mpi_rc``. ``scale_step(lo, hi)`` (Python, called
+    message ``row`` in ``step``, 2 an MPI call failed with ``mpi_rc``. A message's tag is its step index
+    modulo ``tag_mod`` (torus.runtime.compile.TAG_MOD). ``scale_step(lo, hi)`` (Python, called
     with the GIL) scales elements [lo, hi) of buf for the plan's scale steps."""
     cdef char* b = <char*>cnp.PyArray_DATA(buf)
     cdef char* s = <char*>cnp.PyArray_DATA(src) if src is not None else NULL
@@ -139,7 +141,7 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
                         with gil:
                             scale_step(scales[si, 0], scales[si, 1])
                     continue
-                tag = <int>(si % TAG_MOD)
+                tag = <int>(si % tag_mod)
                 nr = 0
                 for i in range(step_lo[si], step_lo[si + 1]):
                     if msgs[i, KIND] == 0:

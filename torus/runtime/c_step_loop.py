@@ -1,13 +1,12 @@
-"""The host step loop in C (``src/_sched.pyx``): when it is used, the tables it reads, and its results as
-the errors ``Executor.run`` raises.
+"""The host memory policy's fast path: the step loop in C (``src/_step_loop.pyx``), when it is used, the
+tables it reads, and its results as the errors the step interpreter raises.
 
 Used for numpy buffers when the extension was built (setup.py finds the MPI headers of the ``mpich`` wheel)
 and mpi4py runs on the same MPI: an MPICH library whose ``MPI_BYTE`` handle is the one compiled in (MPICH,
-and the libraries that share its ABI). Otherwise, and with ``TORUS_C_LOOP=0``, the Python loop in
-executor.py runs: same messages, same results to the bit (tests/mpi runs both).
-
-Measured (4 ranks on 2 cores, float32 all-reduce in place, ring, time / MPI_Allreduce, bench/README.md):
-at 1 MiB the Python loop took 1.02-1.14x, this loop 0.85x; at 64 KiB 1.42x against 1.08x.
+and the libraries that share its ABI). Otherwise, and with ``TORUS_C_LOOP=0``, the Python step interpreter
+(torus.runtime.interpreter) runs: same messages, same results to the bit (tests/mpi/test_python_loop.py). Why
+a C loop at all: with more ranks than cores the Python driving each message costs a large share of a mid-size
+all-reduce (bench/README.md compares the two loops).
 """
 from __future__ import annotations
 
@@ -17,7 +16,8 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import kernels
-from torus._ext import _reduce
+from torus._ext import _reduce  # type: ignore[attr-defined]  # compiled, no stubs
+from torus.runtime.compile import TAG_MOD
 
 
 def _load():
@@ -26,10 +26,10 @@ def _load():
     if not MPI.Get_library_version().startswith("MPICH"):
         return None  # importing it would load MPICH's libmpi beside another MPI
     try:
-        from torus._ext import _sched
+        from torus._ext import _step_loop
     except ImportError:  # built without MPI headers
         return None
-    return _sched if _sched.BYTE_HANDLE == _handle(MPI.BYTE) else None
+    return _step_loop if _step_loop.BYTE_HANDLE == _handle(MPI.BYTE) else None
 
 
 def _handle(obj) -> int:
@@ -38,12 +38,12 @@ def _handle(obj) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
-_sched = _load()
-AVAILABLE = _sched is not None
+_step_loop = _load()
+AVAILABLE = _step_loop is not None
 
 
 def table(steps, itemsize: int, tail) -> tuple:
-    """The arrays ``_sched.run`` reads (byte offsets), from compiled steps (executor.py); built once per
+    """The arrays ``_step_loop.run`` reads (byte offsets), from compiled steps (compile.py); built once per
     plan, with the (step, message) of every row for error messages."""
     rows, msgs, step_lo, retire, retire_lo, prefill, prefill_lo, scales = [], [], [0], [], [0], [], [0], []
     send_row: dict = {}
@@ -73,8 +73,8 @@ def table(steps, itemsize: int, tail) -> tuple:
 def run(ex, what: str, plan, buf: np.ndarray, op_code: int, scale: float, src, tmp) -> None:
     """``Executor.run``'s loop in C on 1-D contiguous numpy ``buf`` (and ``src``); raises what it raises."""
     *arrays, msgs = plan.table
-    status, si, row, rc = _sched.run(*arrays, buf, src, tmp, _reduce.kind(buf), op_code, scale,
-                                     kernels.get_num_threads(), ex.timeout or 0.0,
+    status, si, row, rc = _step_loop.run(*arrays, buf, src, tmp, _reduce.kind(buf), op_code, scale,
+                                     kernels.get_num_threads(), ex.timeout or 0.0, TAG_MOD,
                                      lambda lo, hi: kernels.scale(buf[lo:hi], scale))
     if status == 1:
         step, m = msgs[row]

@@ -8,8 +8,8 @@ all-gather takes ``p-1`` steps; all-reduce is the two in sequence: ``2(p-1)`` st
 """
 from __future__ import annotations
 
-from torus.algorithms.plan import Recv, Scale, Send, Step
 from torus.partition import chunks
+from torus.schedules.plan import Recv, Scale, Send, Step
 
 
 def reduce_scatter(comm: str, rank: int, size: int, counts, displs, base: int = 0,

@@ -17,8 +17,8 @@ the node-local and cross-node communicators in their place.
 """
 from __future__ import annotations
 
-from torus.algorithms import ring
 from torus.partition import chunks
+from torus.schedules import ring
 
 
 def allreduce(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col: str = "col"):

@@ -14,9 +14,9 @@ numbered node by node; ``TorusComm`` falls back to the ring otherwise).
 """
 from __future__ import annotations
 
-from torus.algorithms import ring, torus2d
-from torus.algorithms.plan import Recv, Send, Step, pad
 from torus.partition import chunks
+from torus.schedules import ring, torus2d
+from torus.schedules.plan import Recv, Send, Step, pad
 
 
 def allreduce(local_rank: int, L: int, node: int, C: int, count: int, max_local: int | None = None):

@@ -1,0 +1,112 @@
+"""The per-call argument check across ranks: every rank all-gathers a small signature of its call
+(collective, op, dtype, count, algorithm, segment size, grid, a checksum of recvcounts) and all raise the same
+``MismatchError`` when any differ, instead of hanging or summing garbage.
+
+Cost: one 9 x int64 ``MPI_Iallgather`` per call, waited for with the stall timeout (so a rank that never calls
+turns into ``TimeoutError`` before the first data message); about one small-collective latency
+(bench/README.md has the measured figures). ``check=False`` / ``TORUS_CHECK=0`` skips it.
+
+A rank whose own arguments fail their local check raises its ValueError/TypeError at once and posts its share
+of the all-gather marked "argument error" (``reports_errors``), so the others raise MismatchError naming it;
+that posted all-gather is completed at the TorusComm's next call.
+
+Not caught: anything with the check off (ranks that disagree then hang until the stall timeout, fail in MPI
+with a truncation error, or silently combine mismatched data); a rank that never calls or died (the others get
+TimeoutError after ``timeout`` s); differing buffer contents; ranks calling collectives on different
+TorusComm objects in different orders (also a timeout).
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+
+import numpy as np
+
+from torus import faults
+from torus.errors import MismatchError
+from torus.ops import DTYPE_CODE, OPS
+from torus.select import ALGORITHMS
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts",
+             "argument error")
+_ERROR = len(SIGNATURE) - 1  # the field that says "this rank rejected its own arguments"
+
+
+def ranks_text(ranks: list) -> str:
+    """``[0, 1, 2, 5]`` -> ``'ranks 0-2, 5'``: short at any scale."""
+    runs, lo = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(lo) if lo == a else f"{lo}-{a}")
+            lo = b
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
+
+
+def reports_errors(method):
+    """Make a TorusComm collective whose arguments fail their local check tell the other ranks (with
+    ``check`` on): the error is raised here at once, and this rank's share of the signature all-gather is
+    posted marked "argument error" unless the agreement itself was under way."""
+    what = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self._agreeing = False
+        try:
+            return method(self, *args, **kwargs)
+        except (ValueError, TypeError):
+            if self.check and not self._agreeing:
+                self._announcements.append(announce(self.comm, self.size, what))
+            raise
+    return wrapper
+
+
+def announce(comm, size: int, what: str) -> tuple:
+    """Post this rank's "argument error" signature; not waited for (see ``finish``)."""
+    mine = np.full(len(SIGNATURE), -1, np.int64)
+    mine[0], mine[_ERROR] = COLLECTIVES.index(what), 1
+    every = np.empty((size, mine.size), np.int64)
+    return comm.Iallgather(mine, every), mine, every
+
+
+def finish(pending: list, rank: int, timeout, what: str) -> None:
+    """Complete earlier announcements (``pending``, emptied) before the next all-gather on the communicator."""
+    while pending:
+        req = pending.pop(0)[0]
+        faults.wait(req, timeout, lambda: (
+            f"{what} on rank {rank}: no progress for {timeout:g} s completing the report of this rank's "
+            "earlier argument error: some rank never made that call; abort the job"))
+
+
+def agree(comm, rank: int, size: int, timeout, what: str, algo: str, op: str, dt, count: int, recvcounts,
+          segment_bytes: int, X: int) -> None:
+    """All-gather this call's signature; raise MismatchError (the same on every rank) if any rank differs or
+    rejected its own arguments, TimeoutError when some rank never joins within ``timeout`` s."""
+    crc = zlib.crc32(np.asarray(recvcounts, np.int64).tobytes()) if recvcounts is not None else 0
+    mine = np.array([COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count, ALGORITHMS.index(algo),
+                     segment_bytes, X, crc, 0], np.int64)
+    every = np.empty((size, mine.size), np.int64)
+    faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
+        f"{what}({algo}) on rank {rank}: no progress for {timeout:g} s in the argument check (the all-gather "
+        f"of every rank's call signature): some rank did not call {what}, died or is stuck; the communicator "
+        "is unusable now, abort the job"))
+    failed = np.nonzero(every[:, _ERROR])[0]
+    if failed.size:
+        whose = "its" if failed.size == 1 else "their"
+        raise MismatchError(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
+                            f"{whose} own arguments to this call (see the error there); no data was moved")
+    bad = np.nonzero((every != every[0]).any(axis=0))[0]
+    if bad.size == 0:
+        return
+    dtypes = [str(d) for d in DTYPE_CODE]
+    decode = {0: COLLECTIVES.__getitem__, 1: OPS.__getitem__, 2: dtypes.__getitem__,
+              4: ALGORITHMS.__getitem__, 6: lambda x: f"{x}x{size // x}", 7: lambda c: f"crc32 {c:08x}"}
+    parts = []
+    for f in bad:
+        groups: dict = {}
+        for r, v in enumerate(every[:, f]):
+            groups.setdefault(int(v), []).append(r)
+        shown = "; ".join(f"{ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {decode.get(int(f), str)(v)}"
+                          for v, rs in groups.items())
+        parts.append(f"{SIGNATURE[f]} ({shown})")
+    raise MismatchError(f"{what}({algo}) on rank {rank}: ranks disagree on " + ", ".join(parts))

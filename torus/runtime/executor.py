@@ -1,0 +1,80 @@
+"""The runtime of one TorusComm: its communicators by name, its reusable buffers, plan compilation, and the
+runs: host buffers through the C step loop where it is built (torus.runtime.c_step_loop) or the step
+interpreter with ``HostMemory``; GPU buffers through the interpreter with ``DeviceMemory``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from torus import faults
+from torus.errors import TimeoutError as TorusTimeout
+from torus.ops import OP_CODE
+from torus.runtime import c_step_loop, interpreter
+from torus.runtime.compile import CompiledPlan, _Message, compile_plan
+from torus.runtime.memory import DeviceMemory, HostMemory, copy_untouched
+
+
+class Executor:
+    """Holds the communicators by name and the reusable buffers of one TorusComm."""
+
+    def __init__(self, comms: dict, rank: int, segment_bytes: int, timeout: float | None):
+        self.comms = comms
+        self.rank = rank
+        self.segment_bytes = segment_bytes
+        self.timeout = timeout
+        self._buffers: dict = {}
+        self.c_loop = True  # run host buffers through the C step loop when it is available (tests turn it off)
+
+    def buffer(self, name, nbytes: int, alloc=None):
+        """Named bytes (a 1-D uint8 array of ``nbytes``) reused across calls, growing only, so steady-state
+        calls allocate nothing (and pay no first-touch page faults). ``alloc(nbytes)`` makes a new one
+        (default ``np.empty``; memory.py passes pinned host and device allocators under names of its own)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._buffers[name] = (alloc or (lambda n: np.empty(n, np.uint8)))(max(nbytes, 1))
+        return buf[:nbytes]
+
+    def free(self) -> None:
+        """Drop every buffer of :meth:`buffer` (their memory goes once no caller holds a view of it)."""
+        self._buffers.clear()
+
+    def compile(self, plan, itemsize: int, count: int | None = None) -> CompiledPlan:
+        """``compile_plan`` on this TorusComm's communicators and segment size (with the C step loop's
+        tables when it will run the plan)."""
+        table = c_step_loop.table if c_step_loop.AVAILABLE and self.c_loop else None
+        return compile_plan(plan, self.comms, self.segment_bytes, itemsize, count, table)
+
+    def _stall(self, what: str, step: int, nsteps: int, msg: _Message) -> str:
+        return (f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step {step + 1}/{nsteps} "
+                f"waiting on rank {msg.peer} of the {msg.name} communicator (a peer died, stalled or called a "
+                "different collective); the communicator is unusable now, abort the job")
+
+    def wait(self, req, what: str, step: int, nsteps: int, msg: _Message) -> None:
+        faults.wait(req, self.timeout, lambda: self._stall(what, step, nsteps, msg))
+
+    def stalled(self, what: str, step: int, nsteps: int, msg: _Message):
+        """Raise the TimeoutError ``wait`` raises (for the C step loop, which detects the stall itself)."""
+        raise TorusTimeout(self._stall(what, step, nsteps, msg))
+
+    def wait_sends(self, reqs: list, sids: tuple, plan: CompiledPlan, what: str) -> None:
+        """Wait for the sends ``sids`` (indices into ``reqs``, the requests by ``sid``)."""
+        for g in sids:
+            req = reqs[g]
+            if not req.Test():  # most have long completed: skip the timeout bookkeeping then
+                si, m = plan.sends[g]
+                self.wait(req, what, si, len(plan.steps), m)
+
+    def run(self, what: str, plan: CompiledPlan, buf: np.ndarray, op: str, scale: float, src=None,
+            keep: tuple | None = None) -> None:
+        """Execute ``plan`` on host ``buf`` (1-D contiguous, modified in place); ``src``, ``keep``: see
+        ``HostMemory``."""
+        tmp = self.buffer("scratch", plan.scratch * plan.itemsize).view(buf.dtype) if plan.scratch else None
+        if plan.table is not None and self.c_loop:
+            c_step_loop.run(self, what, plan, buf, OP_CODE[op], scale, src, tmp)
+            copy_untouched(plan, buf, src, keep)
+            return
+        interpreter.run(self, what, plan, HostMemory(plan, buf, op, scale, src, keep, tmp))
+
+    def run_device(self, what: str, plan: CompiledPlan, buf, op: str, scale: float) -> None:
+        """Execute ``plan`` on ``buf``, a 1-D contiguous numba device array (see ``DeviceMemory``)."""
+        interpreter.run(self, what, plan, DeviceMemory(self, plan, buf, op, scale))

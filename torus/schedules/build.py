@@ -1,0 +1,38 @@
+"""One plan builder for TorusComm and the simulator: ``build(collective, algorithm, topology, counts)``.
+
+``counts``: the element count (all-reduce) or the per-rank block counts (reduce-scatter, all-gather).
+``algorithm`` is one of ring, torus2d, hierarchical (native has no plan); pass it through ``effective``
+first, which is where the hierarchical reduce-scatter and all-gather fall back to the ring on nodes that are
+not equal runs of consecutive ranks (their blocks follow the rank order).
+"""
+from __future__ import annotations
+
+from torus.partition import displacements
+from torus.schedules import hierarchical, ring, torus2d
+from torus.topology import Topology
+
+
+def effective(collective: str, algorithm: str, topology: Topology) -> str:
+    """The algorithm that runs: ``algorithm``, or the ring where hierarchical cannot serve ``collective``."""
+    if algorithm == "hierarchical" and collective != "allreduce" and not topology.node_grid:
+        return "ring"
+    return algorithm
+
+
+def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
+    """The steps of ``topology.rank`` for one call (see plan.py)."""
+    t = topology
+    (x, y), (X, Y) = t.coords, t.dims
+    if collective == "allreduce":
+        if algorithm == "ring":
+            return ring.allreduce("world", t.rank, t.size, counts)
+        if algorithm == "torus2d":
+            return torus2d.allreduce(x, y, X, Y, counts)
+        return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
+    displs = displacements(counts)
+    rs = collective == "reduce_scatter"
+    if algorithm == "ring":
+        return (ring.reduce_scatter if rs else ring.allgather)("world", t.rank, t.size, counts, displs)
+    if algorithm == "torus2d":
+        return (torus2d.reduce_scatter if rs else torus2d.allgather)(x, y, X, Y, counts, displs)
+    return (hierarchical.reduce_scatter if rs else hierarchical.allgather)(*t.hierarchical_args(), counts, displs)

@@ -1,0 +1,133 @@
+"""Where every rank sits: the ``X x Y`` grid and the nodes. Pure (no MPI): TorusComm builds its
+sub-communicators from it, and the schedules' rank arguments come from it.
+
+Grid: rank ``r`` is at column ``x = r % X`` of row ``y = r // X`` (row-major Cartesian coordinates, periodic in
+both directions; Mikami et al. 2018, arXiv:1811.05233). Nodes: ``node_of[r]`` is rank ``r``'s node index,
+nodes numbered in the order of their lowest rank; a node's ranks keep their order (local rank = position
+among the node's ranks). Nodes may differ in size.
+
+Sub-communicators of a rank (ranks ordered by their world rank in each): ``"row"`` (same ``y``), ``"col"``
+(same ``x``), ``"local"`` (same node), ``"cross"`` (same local rank: one rank per node), ``"world"``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+
+
+def default_dims(size: int) -> tuple:
+    """``(X, Y)`` with ``X <= Y`` and ``X * Y == size``, as square as possible (what ``MPI.Compute_dims``
+    gives, rows the shorter side)."""
+    X = max(d for d in range(1, int(size ** 0.5) + 1) if size % d == 0)
+    return X, size // X
+
+
+def node_indices(keys) -> tuple:
+    """Any per-rank node key (a host name, the node's lowest rank) -> node index by order of first use."""
+    index: dict = {}
+    return tuple(index.setdefault(k, len(index)) for k in keys)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One rank's view of the grid and the nodes.
+
+    rank, size: this rank and the number of ranks; dims: ``(X, Y)`` with ``X * Y == size``; node_of: the node
+    index of every rank (``size`` entries, see the module docstring). Raises ValueError when they disagree.
+    """
+    rank: int
+    size: int
+    dims: tuple
+    node_of: tuple
+
+    def __post_init__(self):
+        X, Y = self.dims
+        if X < 1 or Y < 1 or X * Y != self.size:
+            raise ValueError(f"dims {X}x{Y} do not multiply to the communicator size {self.size}")
+        if len(self.node_of) != self.size or not 0 <= self.rank < self.size:
+            raise ValueError(f"node_of has {len(self.node_of)} entries for {self.size} ranks")
+
+    @classmethod
+    def emulated(cls, rank: int, size: int, dims, ranks_per_node: int) -> Topology:
+        """Nodes of ``ranks_per_node`` consecutive ranks (the last one smaller when it does not divide)."""
+        return cls(rank, size, tuple(dims), tuple(r // ranks_per_node for r in range(size)))
+
+    def coords_of(self, r: int) -> tuple:
+        """``(x, y)`` of rank ``r``."""
+        return r % self.dims[0], r // self.dims[0]
+
+    @property
+    def coords(self) -> tuple:
+        return self.coords_of(self.rank)
+
+    @property
+    def node(self) -> int:
+        return self.node_of[self.rank]
+
+    @cached_property
+    def nodes(self) -> int:
+        return max(self.node_of) + 1
+
+    def members(self, name: str, r: int | None = None) -> tuple:
+        """The world ranks of rank ``r``'s (default: this rank's) communicator ``name``, in order."""
+        r = self.rank if r is None else r
+        x, y = self.coords_of(r)
+        same = {"world": lambda q: True,
+                "row": lambda q: self.coords_of(q)[1] == y,
+                "col": lambda q: self.coords_of(q)[0] == x,
+                "local": lambda q: self.node_of[q] == self.node_of[r],
+                "cross": lambda q: self.local_rank_of(q) == self.local_rank_of(r)}[name]
+        return tuple(q for q in range(self.size) if same(q))
+
+    @cached_property
+    def _local_ranks(self) -> tuple:
+        seen: Counter = Counter()
+        out = []
+        for n in self.node_of:
+            out.append(seen[n])
+            seen[n] += 1
+        return tuple(out)
+
+    @cached_property
+    def _node_sizes(self) -> Counter:
+        return Counter(self.node_of)
+
+    def local_rank_of(self, r: int) -> int:
+        return self._local_ranks[r]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_rank_of(self.rank)
+
+    @cached_property
+    def local_size(self) -> int:
+        return self._node_sizes[self.node]
+
+    @cached_property
+    def max_local(self) -> int:
+        """Ranks on the largest node."""
+        return max(self._node_sizes.values())
+
+    def world_rank(self, name: str, peer: int, r: int | None = None) -> int:
+        """The world rank of ``peer`` (a rank within rank ``r``'s communicator ``name``)."""
+        return self.members(name, r)[peer]
+
+    def split(self, name: str, r: int | None = None) -> tuple:
+        """``(color, key)`` for ``MPI.Comm.Split`` giving rank ``r`` its communicator ``name``."""
+        r = self.rank if r is None else r
+        x, y = self.coords_of(r)
+        return {"row": (y, r), "col": (x, r), "local": (self.node_of[r], r),
+                "cross": (self.local_rank_of(r), r)}[name]
+
+    @cached_property
+    def node_grid(self) -> bool:
+        """True when every node holds the same number of consecutive ranks: what the hierarchical
+        reduce-scatter and all-gather need (their blocks follow the rank order); else they fall back to the
+        ring."""
+        L = self.local_size
+        return self.nodes * L == self.size and all(n == r // L for r, n in enumerate(self.node_of))
+
+    def hierarchical_args(self) -> tuple[int, int, int, int]:
+        """``(local_rank, local_size, node, nodes)``: the hierarchical schedules' position arguments."""
+        return self.local_rank, self.local_size, self.node, self.nodes
