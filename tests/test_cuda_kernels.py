@@ -20,6 +20,7 @@ _set_here = "numba.cuda" not in sys.modules and "NUMBA_ENABLE_CUDASIM" not in os
 if _set_here:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 from numba import cuda  # noqa: E402
+
 if _set_here:  # numba has read it; the simulator stays on in this process, child processes are unaffected
     del os.environ["NUMBA_ENABLE_CUDASIM"]
 

@@ -70,8 +70,8 @@ def test_abort_on_exception_can_be_turned_off():
 
 
 def worker(mode: str) -> None:
-    import numpy as np
     import keras
+    import numpy as np
 
     from torus.integrations.keras import TorusStrategy
 
@@ -88,7 +88,7 @@ def worker(mode: str) -> None:
         if mode == "raise":
             raise RuntimeError("the last rank fails before fit on purpose")
         sys.exit(0)
-    model.fit(np.ones((4, 3), np.float32), np.ones((4, 2), np.float32), verbose=0)
+    model.fit(np.ones((6, 3), np.float32), np.ones((6, 2), np.float32), batch_size=6, verbose=0)  # 2, 3 ranks
     print("fit done", flush=True)
 
 

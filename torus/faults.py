@@ -148,5 +148,5 @@ def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
         time.sleep(ABORT_GRACE_S)
         abort(comm, 130 if issubclass(exc_type, KeyboardInterrupt) else status)
 
-    hook.torus_previous = previous
+    hook.torus_previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook

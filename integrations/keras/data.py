@@ -68,7 +68,7 @@ class Augment:
     NAMES = ("crop", "flip", "rotate", "color", "noise")
 
     @classmethod
-    def parse(cls, spec: str) -> "Augment":
+    def parse(cls, spec: str) -> Augment:
         """``"none"`` or a comma list of ``crop[=min_area]``, ``flip``, ``rotate[=degrees]``, ``color[=delta]``,
         ``noise[=stddev]`` (defaults 0.08, on, 10, 0.1, 0.02). Raises ``ValueError`` on an unknown name."""
         defaults = {"crop": 0.08, "flip": True, "rotate": 10.0, "color": 0.1, "noise": 0.02}

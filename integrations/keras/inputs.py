@@ -184,14 +184,17 @@ def _check_even(strategy, rows: int, batch_size: int) -> None:
     size = strategy.size
     last = rows % batch_size
     if batch_size % size or last % size:
-        what = (f"batch_size={batch_size} is not a multiple of {size} ranks" if batch_size % size else
-                f"the last batch of each epoch holds {last} rows ({rows} rows, batch_size={batch_size}), "
-                f"not a multiple of {size} ranks")
+        if batch_size % size:
+            what = f"batch_size={batch_size} is not a multiple of {size} ranks"
+            fix = f"e.g. batch_size={max(size, batch_size - batch_size % size)}"
+        else:
+            what = (f"the last batch of each epoch holds {last} rows ({rows} rows, batch_size={batch_size}), "
+                    f"not a multiple of {size} ranks")
+            fix = f"e.g. x[:{rows - last % size}]"
         raise ValueError(f"TorusStrategy fit on rank {strategy.rank}: {what}. batch_size is the global batch "
                          "and every rank needs an equal share for the result to equal one process' (Keras "
-                         "scales each rank's loss by 1/ranks); choose batch_size and the number of rows "
-                         f"(e.g. x[:{rows - last}]) so both split evenly, or pass per-rank data with "
-                         "strategy.shard(tf.data.Dataset...)")
+                         f"scales each rank's loss by 1/ranks); choose batch_size and the number of rows ({fix}) "
+                         "so both split evenly, or pass per-rank data with strategy.shard(tf.data.Dataset...)")
 
 
 def torus_strategy_of(model):

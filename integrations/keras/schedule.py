@@ -70,7 +70,7 @@ class BatchSizeSchedule:
         return {"schedule": ",".join(f"{e}:{b}" for e, b in zip(self._epochs, self._batches))}
 
     @classmethod
-    def from_config(cls, config: dict) -> "BatchSizeSchedule":
+    def from_config(cls, config: dict) -> BatchSizeSchedule:
         return cls(config["schedule"])
 
     def __repr__(self) -> str:
@@ -135,7 +135,7 @@ class LearningRateRule:
                 "step_epochs": list(self.step_epochs), "step_factor": self.step_factor, "min_lr": self.min_lr}
 
     @classmethod
-    def from_config(cls, config: dict) -> "LearningRateRule":
+    def from_config(cls, config: dict) -> LearningRateRule:
         return cls(**config)
 
     def __repr__(self) -> str:

@@ -246,6 +246,7 @@ def build_model(name: str, image_size: int, num_classes: int, bn_momentum: float
 
 def build_optimizer(args):
     import keras
+
     from torus.integrations.keras.lars import LARS
     if args.optimizer == "lars":
         return LARS(0.0, momentum=args.momentum, trust_coefficient=args.trust, weight_decay=args.weight_decay)
@@ -363,6 +364,7 @@ class Trainer:
     def __init__(self, args, comm, threads: int):
         import keras
         from mpi4py import MPI
+
         from torus.integrations.keras import data, digits
         from torus.integrations.keras.schedule import BatchSizeSchedule, LearningRateRule
         from torus.integrations.keras.strategy import TorusStrategy
@@ -408,6 +410,7 @@ class Trainer:
 
     def _train_data(self, epoch: int, per_rank: int, steps: int):
         import tensorflow as tf
+
         from torus.integrations.keras import data
         if self.args.synthetic:
             dataset = data.synthetic_dataset(batch_size=per_rank, steps=steps, image_size=self.args.image_size,
@@ -467,6 +470,7 @@ class Trainer:
 
     def _callbacks(self):
         import keras
+
         from torus.integrations.keras.callbacks import BatchControl
         callbacks = self.strategy.callbacks() + [BatchControl(self.schedule, self.lr_rule),
                                                  _clock_callback(self.clock), _progress_callback(self)]

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import torus
-from oracle import (BLOCK_FORM, CASES, DTYPES, PATTERNS, WORLD, assert_same_on_all_ranks, sentinel,
-                    torus_comm, unchanged)
+from oracle import BLOCK_FORM, CASES, DTYPES, PATTERNS, WORLD, assert_same_on_all_ranks, sentinel, torus_comm, unchanged
 
 RANK = WORLD.Get_rank()
 

@@ -11,8 +11,20 @@ import numpy as np
 import pytest
 
 import torus
-from oracle import (CASES, DTYPES, FLOATS, OPS, SIZE, assert_matches, assert_same_on_all_ranks, expected,
-                    make, sentinel, torus_comm, unchanged)
+from oracle import (
+    CASES,
+    DTYPES,
+    FLOATS,
+    OPS,
+    SIZE,
+    assert_matches,
+    assert_same_on_all_ranks,
+    expected,
+    make,
+    sentinel,
+    torus_comm,
+    unchanged,
+)
 
 COUNTS = sorted({0, 1, max(SIZE - 1, 0), 7, 1003, 786_433})  # SIZE - 1: fewer elements than ranks
 

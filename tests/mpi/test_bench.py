@@ -12,8 +12,7 @@ from mpi4py import MPI
 
 import torus
 from torus.bench import cli
-from torus.bench.sweep import (PERIOD, count_wrong, fill, format_size, moved_sizes, parse_size, size_steps,
-                               sweep)
+from torus.bench.sweep import PERIOD, count_wrong, fill, format_size, moved_sizes, parse_size, size_steps, sweep
 
 ALL = [*torus.ALGORITHMS, "auto"]
 

@@ -6,8 +6,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hvd_common import (B, Record, assert_close, assert_identical_across_ranks, digits, hvd, init_world,
-                        initial_weights, keras, mnist_model, rank_rows, tf)
+from hvd_common import (
+    B,
+    Record,
+    assert_close,
+    assert_identical_across_ranks,
+    digits,
+    hvd,
+    init_world,
+    initial_weights,
+    keras,
+    mnist_model,
+    rank_rows,
+    tf,
+)
 
 from torus.integrations.keras import TorusStrategy, fit_hook
 from torus.integrations.keras.horovod.optimizer import is_distributed

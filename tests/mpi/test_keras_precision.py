@@ -19,8 +19,7 @@ if MPI.COMM_WORLD.Get_size() not in (1, 2, 3):
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
-from kerasref import (B, Record, assert_identical_across_ranks, assert_steps_match, data,  # noqa: E402
-                      dense_model, initial_weights)
+from kerasref import B, Record, assert_identical_across_ranks, assert_steps_match, data, dense_model, initial_weights  # noqa: E402
 
 from torus.integrations.keras import TorusStrategy, fit_hook  # noqa: E402
 

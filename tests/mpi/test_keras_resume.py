@@ -16,8 +16,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
-from torus.integrations.keras import (LARS, BatchControl, BatchSizeSchedule, LearningRateRule,  # noqa: E402
-                                      TorusStrategy)
+from torus.integrations.keras import LARS, BatchControl, BatchSizeSchedule, LearningRateRule, TorusStrategy  # noqa: E402
 
 EPOCHS, N = 4, 36
 SCHEDULE = BatchSizeSchedule("0:6,2:12")  # both divisible by 1, 2 and 3 ranks

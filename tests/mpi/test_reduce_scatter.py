@@ -10,8 +10,22 @@ import numpy as np
 import pytest
 
 import torus
-from oracle import (BLOCK_FORM, CASES, DTYPES, FLOATS, OPS, PATTERNS, SIZE, WORLD, assert_matches, expected,
-                    make, sentinel, torus_comm, unchanged)
+from oracle import (
+    BLOCK_FORM,
+    CASES,
+    DTYPES,
+    FLOATS,
+    OPS,
+    PATTERNS,
+    SIZE,
+    WORLD,
+    assert_matches,
+    expected,
+    make,
+    sentinel,
+    torus_comm,
+    unchanged,
+)
 
 RANK = WORLD.Get_rank()
 

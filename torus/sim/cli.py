@@ -158,7 +158,7 @@ def plot(results, path: str, cost: Cost) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines = {}
+    lines: dict[tuple, list] = {}
     for r in results:
         lines.setdefault((r.collective, r.algorithm, r.ranks, r.dims), []).append((r.nbytes, r.time))
     for (coll, algo, n, dims), pts in sorted(lines.items()):
@@ -187,12 +187,12 @@ def main(argv=None) -> int:
         args = ap.parse_args(argv)
         _check(ap, args)
     except SystemExit as e:  # a usage error (one line, from rank 0) or --help
-        return e.code
+        return e.code if isinstance(e.code, int) else 2
     if args.fit or args.validate:
         from torus.sim import fit
         return fit.main(args, cost_from(args, argv))
     cost = cost_from(args, argv)
-    out = {"command": "torus-sim " + " ".join(argv), "cost": cost.__dict__}
+    out: dict[str, object] = {"command": "torus-sim " + " ".join(argv), "cost": cost.__dict__}
     if args.paper:
         from torus.sim import paper
         rows = paper.rows(cost=cost, dtype=args.dtype)
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         for n in args.ranks:
             dims = args.dims or default_dims(n)
             try:
-                layout = Layout(*dims, args.ranks_per_node)
+                layout = Layout(dims[0], dims[1], args.ranks_per_node)
                 if layout.N != n:
                     raise ValueError(f"torus-sim: dims {dims[0]}x{dims[1]} do not multiply to {n} ranks")
                 for coll in args.collective:

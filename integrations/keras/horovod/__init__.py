@@ -13,11 +13,30 @@ and run the script under ``mpiexec -n N``. ``init``, ``rank``, ``size``, ``local
 ``callbacks.*``. What differs from Horovod and what is missing: integrations/keras/HOROVOD.md.
 """
 from torus.integrations.keras.horovod import callbacks
-from torus.integrations.keras.horovod.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
-                                                     local_size, rank, shutdown, size)
-from torus.integrations.keras.horovod.collectives import (Average, Max, Min, Product, Sum, allgather,
-                                                          allgather_object, allreduce, broadcast,
-                                                          broadcast_object, broadcast_variables)
+from torus.integrations.keras.horovod.basics import (
+                                                     cross_rank,
+                                                     cross_size,
+                                                     init,
+                                                     is_initialized,
+                                                     local_rank,
+                                                     local_size,
+                                                     rank,
+                                                     shutdown,
+                                                     size,
+)
+from torus.integrations.keras.horovod.collectives import (
+                                                     Average,
+                                                     Max,
+                                                     Min,
+                                                     Product,
+                                                     Sum,
+                                                     allgather,
+                                                     allgather_object,
+                                                     allreduce,
+                                                     broadcast,
+                                                     broadcast_object,
+                                                     broadcast_variables,
+)
 from torus.integrations.keras.horovod.compression import Compression
 from torus.integrations.keras.horovod.optimizer import DistributedOptimizer, load_model
 

@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from torus.integrations.keras.horovod.basics import rank, size, torus_comm
 from torus.integrations.keras.horovod.compression import Compression, wire_format
-from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables as _bcast_vars
+from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors
+from torus.integrations.keras.loop import broadcast_variables as _bcast_vars
 from torus.ops import OPS, check_op_dtype
 
 # Horovod's reduction constants, spelled as torus op names. Adasum is not provided.
