@@ -15,7 +15,8 @@ _spec.loader.exec_module(run)
 
 
 def _args(rerun: bool) -> argparse.Namespace:
-    return argparse.Namespace(ranks="", timeout=10, skip_single=False, rerun_crashed=rerun, pytest_args=[])
+    return argparse.Namespace(ranks="", timeout=10, skip_single=False, rerun_crashed=rerun, pytest_args=[],
+                              no_cluster=True)
 
 
 def _fake(monkeypatch, codes):
