@@ -19,6 +19,7 @@ from torus import agreement, buffers, kernels
 from torus.ops import avg_factors
 from torus.runtime import memory
 from torus.runtime.executor import Executor
+from torus.runtime.shm import SharedMemory
 from torus.schedules.build import build, effective
 from torus.select import ALGORITHMS, choose
 from torus.topology import Topology, node_indices
@@ -116,6 +117,10 @@ class TorusComm:
         comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
                  "local": self.local_comm, "cross": self.cross_comm}
         self._executor = Executor(comms, rank, seg, timeout or None)
+        self._shm = SharedMemory(self.comm, rank, size, seg, timeout or None)
+        # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
+        # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
+        self._direct = {"native": self._run_native, "shm": self._run_shm}
         self._plans: dict = {}
         self._auto: dict = {}
         self._agreeing = False
@@ -136,6 +141,10 @@ class TorusComm:
                                                       f"of {', '.join(ALGORITHMS)}")
         else:
             algo = algorithm
+        if algo == "shm" and self.topology.nodes > 1:
+            buffers.fail(what, self.rank, ValueError, f"algorithm 'shm' needs every rank on one node; these "
+                                                      f"{self.size} ranks are on {self.topology.nodes} nodes "
+                                                      "(use ring, hierarchical or torus2d)")
         return effective(what, algo, self.topology)
 
     def _plan(self, what: str, algo: str, counts, itemsize: int):
@@ -169,17 +178,18 @@ class TorusComm:
                             p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])
         pre, scale = avg_factors(p.dtype, self.size) if op == "avg" else (1.0, 1.0)
         memory = p.memory
-        if memory == "device" and (algo == "native" or not self._on_gpu(p.count * p.dtype.itemsize)):
+        direct = self._direct.get(algo)
+        if memory == "device" and (direct is not None or not self._on_gpu(p.count * p.dtype.itemsize)):
             memory = "staged"
         buffers.bind(p, spec, memory, self._buffer, lazy_ok=algo != "native" and pre == 1.0)
         buffers.stage_in(p, spec)
         if pre != 1.0 and p.count:  # avg: pre-scale so partial sums cannot overflow (ops.avg_factors)
             kernels.scale(p.work, pre)
         name = f"{spec.name}({algo})"
-        if algo == "native":
+        if direct is not None:
             out = p.out if memory == "host" or p.out is None else self._buffer("pinned", "stage out",
                                                                               p.out.size, p.dtype)
-            spec.native(self.comm, p.work, out, p.counts, p.displs, op, scale)
+            direct(name, spec, p, out, op, scale)
             result = out if spec.output_own else p.work
         else:
             plan = self._plan(spec.name, algo, p.count if p.counts is None else tuple(p.counts),
@@ -192,6 +202,13 @@ class TorusComm:
             result = p.work[p.own] if spec.output_own else p.work
         buffers.stage_out(p, spec, result)
         return p.result
+
+    def _run_native(self, name: str, spec, p, out, op: str, scale: float) -> None:
+        spec.native(self.comm, p.work, out, p.counts, p.displs, op, scale)
+
+    def _run_shm(self, name: str, spec, p, out, op: str, scale: float) -> None:
+        src = p.src if p.lazy else p.work[p.own] if spec.input_own else p.work
+        self._shm.run(name, spec.name, src, out if spec.output_own else p.work, p.counts, op, scale)
 
     def _on_gpu(self, nbytes: int) -> bool:
         """Reduce device arrays on the GPU (staged per message) rather than on the host (``gpu_reduce``)."""
@@ -241,6 +258,7 @@ class TorusComm:
     def Free(self) -> None:
         """Release the duplicated communicators (collective)."""
         agreement.finish(self._announcements, self.rank, self._executor.timeout, "Free")
+        self._shm.free()
         for c in (self.row_comm, self.col_comm, self.local_comm, self.cross_comm, self.comm):
             c.Free()
 
