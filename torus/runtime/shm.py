@@ -98,8 +98,7 @@ class SharedMemory:
         finally:
             info.Free()
             shared.Free()
-        mine = np.frombuffer(memoryview(win.tomemory()), np.uint8)
-        mine[:_shm.FLAG_BYTES] = 0  # sequence numbers start at 0; the first step waits for 1
+        win.tomemory()[:_shm.FLAG_BYTES] = bytes(_shm.FLAG_BYTES)  # sequence numbers start at 0
         self._bases = np.array([win.Shared_query(q)[0].address for q in range(size)], np.int64)
         self._win = win
         self.comm.Barrier()  # every rank's flags are zero before anyone looks at them
