@@ -1,5 +1,5 @@
-"""TorusComm: an mpi4py intracommunicator seen as a periodic X x Y grid, with ring, hierarchical, 2D-torus
-and native reduce-scatter, all-gather and all-reduce.
+"""TorusComm: an mpi4py intracommunicator seen as a periodic X x Y grid, with ring, hierarchical, 2D-torus,
+native and (ranks on one node) shared-memory reduce-scatter, all-gather and all-reduce.
 
 Buffers are C-contiguous numpy arrays or GPU arrays (``__cuda_array_interface__``: CuPy, numba; wrap a
 PyTorch CUDA tensor with ``cupy.asarray``) of float16, bfloat16, float32, float64, int32 or int64, sendbuf and
@@ -7,7 +7,8 @@ recvbuf of the same kind; counts in elements. GPU arrays must live on numba's cu
 rank); the MPI need not be CUDA-aware (see ``gpu_reduce``). Every call: resolve and check the buffers on the
 calling rank (torus/buffers.py: ValueError/TypeError naming the operation and rank, before any message),
 choose the algorithm (torus/select.py), agree across ranks (torus/agreement.py: MismatchError), then one path:
-stage in, the native call or the compiled plan, stage out.
+stage in, one direct call (MPI's own collective, or the shared-memory transport of torus/runtime/shm.py) or
+the compiled plan, stage out.
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ class TorusComm:
         Emulate nodes of this many consecutive ranks for the hierarchical schedule (default: the real nodes,
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
     segment_bytes : int
-        Pipelining unit in bytes (default 1 MiB, ``TORUS_SEGMENT_BYTES``); must be equal on all ranks.
+        Pipelining unit in bytes (default 1 MiB, ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The
+        shared-memory transport moves this many bytes per rank and step, through a window of about
+        ``2 * segment_bytes`` per rank set up at the first ``algorithm="shm"`` call (collective).
     check : bool
         Agree on every call's arguments across ranks before moving data (default on, ``TORUS_CHECK=0``).
     timeout : float or None
