@@ -23,13 +23,13 @@ _U = {np.dtype(np.float16): 2.0 ** -11, BF16: 2.0 ** -8}
 COUNT = 1003  # no grid divides it
 
 
-def big_inputs(rng, dtype) -> np.ndarray:
+def big_inputs(rng, dtype, count: int = COUNT) -> np.ndarray:
     """Magnitudes in [0.5, 0.95] of the type's maximum with one sign per element shared by all ranks (so
     partial sums of two ranks already overflow), and a tail of ordinary values that must stay accurate."""
     top = float(ml_dtypes.finfo(dtype).max)
-    sign = np.random.default_rng(COUNT).choice([-1.0, 1.0], COUNT)  # the same on every rank
-    x = sign * rng.uniform(0.5, 0.95, COUNT) * top
-    x[-100:] = rng.standard_normal(100)
+    sign = np.random.default_rng(count).choice([-1.0, 1.0], count)  # the same on every rank
+    x = sign * rng.uniform(0.5, 0.95, count) * top
+    x[-(count // 10):] = rng.standard_normal(count // 10)
     return x.astype(dtype)
 
 

@@ -29,6 +29,8 @@ SIMULATED = cuda.to_device.__module__.startswith("numba.cuda.simulator")
 if not SIMULATED and not cuda.is_available():
     pytest.skip("numba.cuda was imported for real hardware and there is no GPU", allow_module_level=True)
 
+from test_avg_range import assert_finite_mean, big_inputs, exact_mean  # noqa: E402
+
 import torus  # noqa: E402
 from oracle import (  # noqa: E402
     BF16,
@@ -192,3 +194,22 @@ def test_host_and_device_buffers_mixed_raise_before_any_message():
         tc.allreduce(d[0:8], d[4:12])
     # Every rank raised locally and (check on) announced it; this call completes those announcements.
     assert_matches(tc.allreduce(x), np.full(8, SIZE), None, "allreduce after the errors")
+
+
+@pytest.mark.parametrize("staging", STAGING)
+@pytest.mark.parametrize("case", CASES)
+def test_avg_of_large_halves_does_not_overflow(case, staging, rng):
+    """GPU buffers, both stagings: float16 inputs whose partial sums leave the range, the mean does not
+    (test_avg_range.py has the host suite and the bound)."""
+    tc, algo = comm(case, staging)
+    x = big_inputs(rng, np.dtype(np.float16), COUNT)
+    ref, bound = exact_mean(x)
+    d = to_device(x)
+    tc.allreduce(torus.IN_PLACE, d, op="avg", algorithm=algo)
+    got = to_host(d)
+    assert_finite_mean(got, ref, bound, f"device allreduce({algo}, avg, {staging})")
+    assert_same_on_all_ranks(got, f"device allreduce({algo}, avg, {staging})")
+    counts = [COUNT // SIZE + (r < COUNT % SIZE) for r in range(SIZE)]
+    lo, hi = sum(counts[:WORLD.Get_rank()]), sum(counts[:WORLD.Get_rank() + 1])
+    out = tc.reduce_scatter(to_device(x), recvcounts=counts, op="avg", algorithm=algo)
+    assert_finite_mean(to_host(out), ref[lo:hi], bound[lo:hi], f"device reduce_scatter({algo}, avg, {staging})")
