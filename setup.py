@@ -62,5 +62,5 @@ def step_loop():
     return [ext]
 
 
-setup(ext_modules=cythonize([kernel("_reduce"), kernel("_convert"), *step_loop()],
+setup(ext_modules=cythonize([kernel("_reduce"), kernel("_convert"), kernel("_shm"), *step_loop()],
                             compiler_directives={"language_level": "3"}))

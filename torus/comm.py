@@ -1,5 +1,5 @@
-"""TorusComm: an mpi4py intracommunicator seen as a periodic X x Y grid, with ring, hierarchical, 2D-torus
-and native reduce-scatter, all-gather and all-reduce.
+"""TorusComm: an mpi4py intracommunicator seen as a periodic X x Y grid, with ring, hierarchical, 2D-torus,
+native and (ranks on one node) shared-memory reduce-scatter, all-gather and all-reduce.
 
 Buffers are C-contiguous numpy arrays or GPU arrays (``__cuda_array_interface__``: CuPy, numba; wrap a
 PyTorch CUDA tensor with ``cupy.asarray``) of float16, bfloat16, float32, float64, int32 or int64, sendbuf and
@@ -7,7 +7,8 @@ recvbuf of the same kind; counts in elements. GPU arrays must live on numba's cu
 rank); the MPI need not be CUDA-aware (see ``gpu_reduce``). Every call: resolve and check the buffers on the
 calling rank (torus/buffers.py: ValueError/TypeError naming the operation and rank, before any message),
 choose the algorithm (torus/select.py), agree across ranks (torus/agreement.py: MismatchError), then one path:
-stage in, the native call or the compiled plan, stage out.
+stage in, one direct call (MPI's own collective, or the shared-memory transport of torus/runtime/shm.py) or
+the compiled plan, stage out.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torus import agreement, buffers, kernels
 from torus.ops import avg_factors
 from torus.runtime import memory
 from torus.runtime.executor import Executor
+from torus.runtime.shm import SharedMemory
 from torus.schedules.build import build, effective
 from torus.select import ALGORITHMS, choose
 from torus.topology import Topology, node_indices
@@ -46,7 +48,9 @@ class TorusComm:
         Emulate nodes of this many consecutive ranks for the hierarchical schedule (default: the real nodes,
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
     segment_bytes : int
-        Pipelining unit in bytes (default 1 MiB, ``TORUS_SEGMENT_BYTES``); must be equal on all ranks.
+        Pipelining unit in bytes (default 1 MiB, ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The
+        shared-memory transport moves this many bytes per rank and step, through a window of about
+        ``2 * segment_bytes`` per rank set up at the first ``algorithm="shm"`` call (collective).
     check : bool
         Agree on every call's arguments across ranks before moving data (default on, ``TORUS_CHECK=0``).
     timeout : float or None
@@ -116,6 +120,10 @@ class TorusComm:
         comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
                  "local": self.local_comm, "cross": self.cross_comm}
         self._executor = Executor(comms, rank, seg, timeout or None)
+        self._shm = SharedMemory(self.comm, rank, size, seg, timeout or None)
+        # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
+        # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
+        self._direct = {"native": self._run_native, "shm": self._run_shm}
         self._plans: dict = {}
         self._auto: dict = {}
         self._agreeing = False
@@ -136,6 +144,10 @@ class TorusComm:
                                                       f"of {', '.join(ALGORITHMS)}")
         else:
             algo = algorithm
+        if algo == "shm" and self.topology.nodes > 1:
+            buffers.fail(what, self.rank, ValueError, f"algorithm 'shm' needs every rank on one node; these "
+                                                      f"{self.size} ranks are on {self.topology.nodes} nodes "
+                                                      "(use ring, hierarchical or torus2d)")
         return effective(what, algo, self.topology)
 
     def _plan(self, what: str, algo: str, counts, itemsize: int):
@@ -169,17 +181,18 @@ class TorusComm:
                             p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])
         pre, scale = avg_factors(p.dtype, self.size) if op == "avg" else (1.0, 1.0)
         memory = p.memory
-        if memory == "device" and (algo == "native" or not self._on_gpu(p.count * p.dtype.itemsize)):
+        direct = self._direct.get(algo)
+        if memory == "device" and (direct is not None or not self._on_gpu(p.count * p.dtype.itemsize)):
             memory = "staged"
         buffers.bind(p, spec, memory, self._buffer, lazy_ok=algo != "native" and pre == 1.0)
         buffers.stage_in(p, spec)
         if pre != 1.0 and p.count:  # avg: pre-scale so partial sums cannot overflow (ops.avg_factors)
             kernels.scale(p.work, pre)
         name = f"{spec.name}({algo})"
-        if algo == "native":
+        if direct is not None:
             out = p.out if memory == "host" or p.out is None else self._buffer("pinned", "stage out",
                                                                               p.out.size, p.dtype)
-            spec.native(self.comm, p.work, out, p.counts, p.displs, op, scale)
+            direct(name, spec, p, out, op, scale)
             result = out if spec.output_own else p.work
         else:
             plan = self._plan(spec.name, algo, p.count if p.counts is None else tuple(p.counts),
@@ -192,6 +205,13 @@ class TorusComm:
             result = p.work[p.own] if spec.output_own else p.work
         buffers.stage_out(p, spec, result)
         return p.result
+
+    def _run_native(self, name: str, spec, p, out, op: str, scale: float) -> None:
+        spec.native(self.comm, p.work, out, p.counts, p.displs, op, scale)
+
+    def _run_shm(self, name: str, spec, p, out, op: str, scale: float) -> None:
+        src = p.src if p.lazy else p.work[p.own] if spec.input_own else p.work
+        self._shm.run(name, spec.name, src, out if spec.output_own else p.work, p.counts, op, scale)
 
     def _on_gpu(self, nbytes: int) -> bool:
         """Reduce device arrays on the GPU (staged per message) rather than on the host (``gpu_reduce``)."""
@@ -241,6 +261,7 @@ class TorusComm:
     def Free(self) -> None:
         """Release the duplicated communicators (collective)."""
         agreement.finish(self._announcements, self.rank, self._executor.timeout, "Free")
+        self._shm.free()
         for c in (self.row_comm, self.col_comm, self.local_comm, self.cross_comm, self.comm):
             c.Free()
 

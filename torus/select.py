@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 
-ALGORITHMS = ("ring", "hierarchical", "torus2d", "native")
+# "shm" (torus/runtime/shm.py: one node, shared memory) is selectable explicitly and through TORUS_ALGO; the
+# table below does not choose it until it has been measured against the others on a quiet machine.
+ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm")
 
 # (largest communicator size the row applies to, largest nbytes, placement the row applies to, algorithm);
 # None = no limit / both placements; first match wins. Rows apply to all three collectives (reduce-scatter

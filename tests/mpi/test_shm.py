@@ -1,0 +1,129 @@
+"""What only the shared-memory transport (algorithm="shm", torus/runtime/shm.py) has: buffers many times the
+window's segment, back-to-back calls of changing sizes and collectives without a barrier between them, the
+per-step signature check, the stall timeout at a step, the refusal across nodes and the TORUS_ALGO override.
+The shared cases (oracle.CASES: every dtype, op, count, placement and recvcounts pattern) cover it too.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import torus
+from oracle import SIZE, WORLD, assert_matches, assert_same_on_all_ranks, expected, make, one_node, sentinel, torus_comm
+
+RANK, LAST = WORLD.Get_rank(), SIZE - 1
+pytestmark = pytest.mark.skipif(not one_node(), reason="the ranks span several nodes; shm serves one node")
+
+
+def _reference_reduce_scatter(x, counts, op):
+    ref, bound = expected(x, op, exact=True)
+    lo = sum(counts[:RANK])
+    return ref[lo:lo + counts[RANK]], bound
+
+
+def _reference_allgather(block, counts):
+    out = np.empty(sum(counts), block.dtype)
+    displs = np.cumsum([0, *counts[:-1]])
+    WORLD.Allgatherv(block, [out, (counts, displs)])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64])
+@pytest.mark.parametrize("mode", ["in", "out"])
+def test_buffers_many_times_the_segment(mode, dtype, rng):
+    """1 KiB segments: a 30,011-element all-reduce takes tens to hundreds of steps, alternating buffers."""
+    tc, algo = torus_comm("shm", segment_bytes=1024)
+    for op in ("sum", "max", "avg" if np.dtype(dtype).kind == "f" else "min"):
+        x = make(rng, dtype, op, 30_011)
+        ref, bound = expected(x, op)
+        if mode == "in":
+            out = x.copy()
+            tc.allreduce(torus.IN_PLACE, out, op=op, algorithm=algo)
+        else:
+            out = tc.allreduce(x, sentinel(x.size, x.dtype), op=op, algorithm=algo)
+        what = f"allreduce(shm, {op}, {np.dtype(dtype)}, 30011, {mode})"
+        assert_matches(out, ref, bound, what)
+        assert_same_on_all_ranks(out, what)
+
+
+def test_back_to_back_calls_of_changing_sizes(rng):
+    """40 calls, sizes and collectives changing every call (0 and 1 element among them), no synchronisation
+    between them: every call's result is checked only after all have run, so a stale segment or flag from
+    an earlier call (of another size) would show as a wrong value."""
+    tc, algo = torus_comm("shm", segment_bytes=256)
+    sizes = [0, 1, 300, 5, 4096, 1, 0, 77, 10_001, 3]
+    calls = []
+    for i in range(40):
+        n = sizes[i % len(sizes)] + i
+        kind = ("allreduce", "reduce_scatter", "allgather")[i % 3]
+        counts = [(n + r) % 11 for r in range(SIZE)]
+        if kind == "allreduce":
+            x = make(rng, np.float64, "sum", n)
+            calls.append((kind, x, counts, tc.allreduce(x, algorithm=algo)))
+        elif kind == "reduce_scatter":
+            x = make(rng, np.int32, "sum", sum(counts))
+            calls.append((kind, x, counts, tc.reduce_scatter(x, recvcounts=counts, algorithm=algo)))
+        else:
+            x = make(rng, np.float32, "max", counts[RANK])
+            calls.append((kind, x, counts, tc.allgather(x, recvcounts=counts, algorithm=algo)))
+    for i, (kind, x, counts, out) in enumerate(calls):
+        what = f"call {i}: {kind}(shm) of {x.size} elements"
+        if kind == "allreduce":
+            assert_matches(out, *expected(x, "sum"), what)
+        elif kind == "reduce_scatter":
+            assert_matches(out, *_reference_reduce_scatter(x, counts, "sum"), what)
+        else:
+            assert out.tobytes() == _reference_allgather(x, counts).tobytes(), what
+        if kind != "reduce_scatter":  # each rank holds its own block there
+            assert_same_on_all_ranks(out, what)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="a stall needs a second rank")
+def test_a_peer_that_never_copies_in_is_a_timeout_naming_it():
+    tc = torus.TorusComm(check=False, timeout=2, segment_bytes=4096)
+    x = np.ones(10, np.float64)
+    assert np.array_equal(tc.allreduce(x, algorithm="shm"), np.full(10, float(SIZE)))  # window set up
+    if RANK != LAST:
+        with pytest.raises(torus.TimeoutError) as info:
+            tc.allreduce(x, algorithm="shm")
+        msg = str(info.value)
+        assert msg.startswith(f"allreduce(shm) on rank {RANK}: no progress for 2 s at step 1/1 waiting on rank "
+                              f"{LAST} of the shared-memory window to copy in its input"), msg
+        assert "abort the job" in msg, msg
+        with pytest.raises(torus.TorusError, match="unusable after an earlier failure"):
+            tc.allreduce(x, algorithm="shm")
+    WORLD.Barrier()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")
+def test_a_peer_with_another_count_is_a_mismatch_even_with_the_check_off():
+    tc = torus.TorusComm(check=False, timeout=60, segment_bytes=4096)
+    n = 20 if RANK == LAST else 24
+    with pytest.raises(torus.MismatchError, match=f"allreduce\\(shm\\) on rank {RANK}: rank [0-9]+ called a "
+                                                  "different collective, dtype, op or counts"):
+        tc.allreduce(np.ones(n, np.float32), algorithm="shm")
+    WORLD.Barrier()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="one rank per node needs two ranks")
+@pytest.mark.parametrize("forced", [False, True])
+def test_refused_when_the_ranks_span_nodes(monkeypatch, forced):
+    """Emulated nodes of one rank: refused locally, before any communication (the check is off, so a rank
+    that went ahead would leave the others waiting; each raises on its own)."""
+    tc = torus.TorusComm(check=False, timeout=10, ranks_per_node=1)
+    if forced:
+        monkeypatch.setenv("TORUS_ALGO", "shm")
+    with pytest.raises(ValueError, match=f"allreduce on rank {RANK}: algorithm 'shm' needs every rank on one "
+                                         f"node; these {SIZE} ranks are on {SIZE} nodes"):
+        tc.allreduce(np.ones(4), algorithm="auto" if forced else "shm")
+    WORLD.Barrier()
+
+
+def test_torus_algo_selects_it(monkeypatch, rng):
+    monkeypatch.setenv("TORUS_ALGO", "shm")
+    tc = torus.TorusComm(timeout=60)
+    x = make(rng, np.int64, "sum", 1000)
+    out = tc.allreduce(x)  # auto, overridden
+    assert_matches(out, *expected(x, "sum"), "allreduce(auto -> shm)")
+    assert tc._shm._seq > 0, "TORUS_ALGO=shm did not run the shared-memory transport"
+    tc.Free()

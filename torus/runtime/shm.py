@@ -1,0 +1,160 @@
+"""The shared-memory transport (``algorithm="shm"``): ranks on one node reduce straight from each other's
+memory instead of sending messages.
+
+Set-up (once per TorusComm, at its first shm call; collective): a timed barrier (so a rank that never comes
+is a TimeoutError, not a hang inside MPI), ``MPI_Comm_split_type(COMM_TYPE_SHARED)`` (refused unless it
+holds every rank) and one MPI-3 shared window (``MPI_Win_allocate_shared``, ``alloc_shared_noncontig`` so
+each rank's region is its own pages, first touched by itself). Each rank's region: two flag lines
+(``copied``, ``reduced``: 64-bit sequence numbers) and two buffers (double buffering by the parity of the
+sequence number), each a header line (the call's signature) and ``slot_bytes`` of data: ``size`` sub-slots
+of ``slot_bytes / size`` (64-byte multiples) for a reduction, one slot for an all-gather.
+
+Protocol (src/_shm.pyx runs it, without the GIL). The buffer is split into ``size`` chunks (reduce-scatter
+and all-gather: the caller's blocks; all-reduce: ``partition.chunks``), and step ``i`` moves segment ``i`` of
+every chunk. Steps are numbered across calls by one counter ``seq``, which every rank advances by the same
+number of steps per call; step ``s`` uses buffer ``s % 2``:
+
+1. copy in: segment ``i`` of every chunk of the input into our sub-slots (all-gather: of our own chunk), the
+   signature into the header, then ``copied = s`` (store-release);
+2. wait for every peer's ``copied >= s`` (load-acquire) and compare its signature with ours (collective,
+   dtype, op, counts: a mismatch is a MismatchError even with the argument check off);
+3. reduce our chunk's segment from every rank's sub-slot with the host kernels (src/loops.h): all-reduce
+   into our own sub-slot, ranks in the order ``rank, rank+1, ...``, then ``reduced = s`` (store-release);
+   reduce-scatter straight into the output, ranks in order 0, 1, ...; ``avg``'s scale fused into the last;
+4. copy out (all-reduce: once that peer's ``reduced >= s``; all-gather: its copy-in is enough) every
+   rank's segment into the output.
+
+Why no barrier between calls: before a rank writes buffer ``s % 2`` at step ``s`` it has waited, in step
+``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its last read of that
+buffer in step ``s - 2``; a peer is at most one step ahead (it cannot finish step ``s`` without our
+``copied = s``, and for an all-reduce our ``reduced = s``), so it writes only the other buffer meanwhile.
+Sequence numbers only grow, so no flag from an earlier call (of another size) can satisfy a later wait.
+Each element is reduced once, by the rank owning its chunk, and copied to the others: every rank's result
+is bitwise identical. A wait that sees no progress for ``timeout`` s raises TimeoutError naming the step
+and the peer; after a stall or a mismatch the transport refuses further calls (its counters disagree).
+
+Cost per byte of an all-reduce on ``p`` ranks: one copy in (every byte), one read of every rank's copy of
+our chunk (``p`` reads of ``1/p`` of the buffer) plus one write, and one copy out (every byte): three
+passes over the buffer and the reduction's reads, against a ring's ``2(p-1)/p`` messages of which each MPI
+moves with one (CMA) or two (bounce buffer) copies. Two flag round trips per step.
+
+What to do next to make it fast: offer the buffer *in* the window (a TorusComm method handing out a
+numpy view of this rank's region, e.g. the Keras path's fused gradient buffer): then step 1 disappears
+(peers read the caller's data where it lies, the window holding the whole buffer instead of a segment), and
+an all-reduce costs the reduction's reads plus one copy out. Also: fuse the copy-in of the next segment with
+the copy-out of this one, prefetch while waiting, spin briefly before yielding when ranks <= cores, use
+the out-of-place three-operand kernel to reduce the first two ranks in one pass, and measure the segment size.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from torus import faults, kernels
+from torus._ext import _reduce, _shm  # type: ignore[attr-defined]  # compiled, no stubs
+from torus.errors import MismatchError, TorusError
+from torus.errors import TimeoutError as TorusTimeout
+from torus.ops import OP_CODE, OPS
+from torus.partition import chunks, displacements
+
+_MODE = {"allreduce": _shm.ALLREDUCE, "reduce_scatter": _shm.REDUCE_SCATTER, "allgather": _shm.ALLGATHER}
+_PAGE = 4096
+
+
+class SharedMemory:
+    """The shared-memory transport of one TorusComm: ``comm`` (its duplicated communicator, every rank on
+    one node), ``segment_bytes`` (data bytes per rank and step; rounded up to a multiple of ``64 * size``),
+    ``timeout`` (seconds without progress before TimeoutError; None waits forever)."""
+
+    def __init__(self, comm: MPI.Intracomm, rank: int, size: int, segment_bytes: int, timeout: float | None):
+        self.comm, self.rank, self.size, self.timeout = comm, rank, size, timeout
+        line = 64 * size
+        self.slot_bytes = -(-segment_bytes // line) * line
+        self._win: MPI.Win | None = None
+        self._bases = np.zeros(0, np.int64)
+        self._seq = 0
+        self._broken = ""
+        self._chunks: dict = {}
+
+    def _open(self, what: str) -> None:
+        rank, size = self.rank, self.size
+        req = self.comm.Ibarrier()
+        faults.wait(req, self.timeout, lambda: (
+            f"{what} on rank {rank}: no progress for {self.timeout:g} s setting up the shared-memory window "
+            "(some rank never made this call); abort the job"))
+        shared = MPI.Intracomm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))  # same handle, typed
+        if shared.Get_size() != size:
+            n = shared.Get_size()
+            shared.Free()
+            raise ValueError(f"{what} on rank {rank}: algorithm 'shm' needs every rank on one node; this node "
+                             f"holds {n} of the {size} ranks (use ring, hierarchical or torus2d)")
+        region = -(-(_shm.FLAG_BYTES + 2 * (_shm.HEADER_BYTES + self.slot_bytes)) // _PAGE) * _PAGE
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            win = MPI.Win.Allocate_shared(region, 1, info, comm=shared)
+        finally:
+            info.Free()
+            shared.Free()
+        win.tomemory()[:_shm.FLAG_BYTES] = bytes(_shm.FLAG_BYTES)  # sequence numbers start at 0
+        self._bases = np.array([win.Shared_query(q)[0].address for q in range(size)], np.int64)
+        self._win = win
+        self.comm.Barrier()  # every rank's flags are zero before anyone looks at them
+
+    def _layout(self, what: str, count: int, counts):
+        """(counts, displs) as int64 arrays; all-reduce: the even split of ``count``, cached per count."""
+        if counts is not None:
+            return np.array(counts, np.int64), np.array(displacements(counts), np.int64)
+        hit = self._chunks.get(count)
+        if hit is None:
+            if len(self._chunks) >= 256:
+                self._chunks.clear()
+            c, d = chunks(count, self.size)
+            hit = self._chunks[count] = (np.array(c, np.int64), np.array(d, np.int64))
+        return hit
+
+    def run(self, what: str, collective: str, src: np.ndarray, out: np.ndarray, counts, op: str,
+            scale: float) -> None:
+        """One collective (``collective``: allreduce, reduce_scatter, allgather; ``what`` names it in errors)
+        from host ``src`` into host ``out`` (1-D, same dtype; may be the same array): all-reduce ``src`` and
+        ``out`` hold every element; reduce-scatter ``src`` every block and ``out`` this rank's; all-gather
+        ``src`` this rank's block and ``out`` every block, this rank's already in place. ``counts``: the
+        blocks (None for all-reduce). ``scale`` multiplies the reduced result (avg).
+
+        Raises TimeoutError (a peer stalled: step and peer named), MismatchError (a peer ran another call),
+        TorusError (the transport failed before), ValueError (the ranks span several nodes)."""
+        if self._broken:
+            raise TorusError(f"{what} on rank {self.rank}: the shared-memory transport is unusable after an "
+                             f"earlier failure ({self._broken}); abort the job")
+        if self._win is None:
+            self._open(what)
+        mode = _MODE[collective]
+        c, d = self._layout(what, out.size, counts)
+        item = out.itemsize
+        seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
+        kind = _reduce.kind(out)
+        sig = zlib.crc32(c.tobytes(), (mode << 16) | (kind << 8) | OPS.index(op))
+        status, step, peer, nsteps = _shm.run(
+            self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes, mode,
+            kind, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self._seq, sig)
+        if status == _shm.DONE:
+            self._seq += nsteps
+            return
+        if status == _shm.MISMATCH:
+            self._broken = f"rank {peer} made a different call"
+            raise MismatchError(f"{what} on rank {self.rank}: rank {peer} called a different collective, dtype, "
+                                f"op or counts over shared memory at step {step + 1}/{nsteps}")
+        waited = "copy in its input" if status == _shm.STALLED_COPY else "publish its reduced chunk"
+        self._broken = f"rank {peer} stalled"
+        raise TorusTimeout(f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step "
+                           f"{step + 1}/{nsteps} waiting on rank {peer} of the shared-memory window to {waited} "
+                           "(a peer died, stalled or called a different collective); the communicator is "
+                           "unusable now, abort the job")
+
+    def free(self) -> None:
+        """Release the window (collective over the node's ranks, when it was set up)."""
+        if self._win is not None:
+            self._win.Free()
+            self._win = None
