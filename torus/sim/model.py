@@ -6,14 +6,14 @@ MPICH", IJHPCA 19(1), section 2): a message of ``b`` bytes costs ``α + β·b`` 
 ``γ·b``. Two levels: a message whose peer sits on another node (world rank // ranks_per_node differs) pays
 ``inter_alpha``/``inter_beta`` instead.
 
-Segmentation (``segment_bytes``, the executor's pipelining unit) is modelled simply: a message of ``k``
-segments pays ``k·α + β·b``, and only the reduction of the last segment is exposed, plus whatever part of each
-earlier segment's reduction is longer than the next segment's transfer:
-``γ·min(b, S) + (k-1)·max(0, γ·S - (α + β·S))``. Without ``segment_bytes`` a message is one unit.
+Segmentation (``segment_bytes``, the executor's pipelining unit): the replay runs the segments the executor
+sends (torus.runtime.compile), each paying ``α + β·b`` and its own reduction, one segment after another, so a
+message of ``k`` segments pays ``k·α + β·b`` and only the reduction of the last segment is exposed, plus
+whatever part of the earlier segments' reductions is longer than the next segment's transfer (replay.py).
+Without ``segment_bytes`` a message is one segment.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,26 +46,6 @@ class Cost:
         if isinstance(crossing, np.ndarray):
             return np.where(crossing, ia, self.alpha), np.where(crossing, ib, self.beta)
         return (ia, ib) if crossing else (self.alpha, self.beta)
-
-    def nseg(self, nbytes):
-        if self.segment_bytes is None:
-            return np.ones_like(nbytes) if isinstance(nbytes, np.ndarray) else 1
-        if isinstance(nbytes, np.ndarray):
-            return np.maximum(1, -(-nbytes // self.segment_bytes))
-        return max(1, math.ceil(nbytes / self.segment_bytes))
-
-    def transfer(self, nbytes, alpha, beta):
-        """Seconds from the first byte leaving to the last arriving: k·α + β·b."""
-        return self.nseg(nbytes) * alpha + beta * nbytes
-
-    def reduce_exposed(self, nbytes, alpha, beta):
-        """Seconds of reduction after the last segment arrived (see the module docstring)."""
-        if self.segment_bytes is None:
-            return self.gamma * nbytes
-        S = self.segment_bytes
-        k = self.nseg(nbytes)
-        hidden = np.maximum(0.0, self.gamma * S - (alpha + beta * S))
-        return self.gamma * np.minimum(nbytes, S) + (k - 1) * hidden
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     if algorithm == "hierarchical" and collective == "allreduce":
         return _hierarchical_allreduce(layout, count, itemsize, cost)
     a = P.orbit(algorithm, collective, layout, count)
-    P.verify(a, algorithm, collective, layout, count, _samples(layout.N))
+    P.verify(a, algorithm, collective, layout, count, _samples(layout.N), itemsize, replay.segment_bytes(cost))
     T, D, st = replay.lockstep(a, layout, cost, itemsize)
     return _result(algorithm, collective, layout, count, itemsize, T.max(), D.max(), st, 0, "orbit")
 
@@ -95,12 +95,13 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
     The node whose leader finishes the ring last finishes last (the replay is monotone in start times)."""
     L, C = layout.ranks_per_node, layout.nodes
     node0 = {lr: P.plan("hierarchical", "allreduce", lr, layout, count) for lr in range(L)}
+    compiled = replay.compile_all(node0, cost, itemsize)
     crosses = [s for s, st in enumerate(node0[0]) if any(m.comm == "cross" for m in st.sends + st.recvs)]
     a, b = (crosses[0], crosses[-1] + 1) if crosses else (len(node0[0]), len(node0[0]))
-    mism = replay.match({lr: [Step(tuple(m for m in st.sends if m.comm != "cross"),
-                                  tuple(m for m in st.recvs if m.comm != "cross"), st.scale) for st in p]
-                         for lr, p in node0.items()}, layout)[3]
-    pre, st_pre, _ = replay.full({lr: p[:a] for lr, p in node0.items()}, layout, cost, itemsize)
+    local = {lr: [Step(tuple(m for m in st.sends if m.comm != "cross"), tuple(m for m in st.recvs if m.comm != "cross"),
+                       st.scale) for st in p] for lr, p in node0.items()}
+    mism = replay.match(replay.compile_all(local, cost, itemsize), layout)[3]
+    pre, st_pre, _ = replay.full(compiled, layout, cost, itemsize, window={lr: (0, a) for lr in node0})
     t_c, d_c = np.full(C, pre[0][0]), np.full(C, pre[0][1], np.int64)
     cross = {k: np.zeros(C) for k in st_pre}
     if crosses:
@@ -112,15 +113,17 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
             got = P.extract(real, n * L, layout, lambda w: w // L, "hierarchical cross")
             want = [(int(rp[0]), int(rb[0]), bool(rr[0]), int(sp[0]), int(sb[0]))
                     for rp, rb, rr, sp, sb in (arr.row(s, [n]) for s in range(arr.nsteps))]
+            due = P.deadlines(real, itemsize, replay.segment_bytes(cost))
             if [(p, c, r and p >= 0, q, d) for p, c, r, q, d in got] != \
-                    [(p, c, r and p >= 0, q, d) for p, c, r, q, d in want]:
+                    [(p, c, r and p >= 0, q, d) for p, c, r, q, d in want] or \
+                    any(u is not None and u != arr.until[s] for s, u in enumerate(due)):
                 raise SimulationError(f"torus-sim hierarchical allreduce on rank {n * L}: the rotated cross "
                                       "ring differs from the real plan")
         t_c, d_c, cross = replay.lockstep(arr, layout, cost, itemsize, t_c, d_c)
     start = {lr: pre[lr] for lr in range(L)}
     start[0] = (float(t_c.max()), int(d_c.max()))
-    post, st_post, _ = replay.full({lr: (p[b:] if lr == 0 else p[a:]) for lr, p in node0.items()}, layout, cost,
-                                   itemsize, start)
+    post, st_post, _ = replay.full(compiled, layout, cost, itemsize, start,
+                                   {lr: (b if lr == 0 else a, len(p)) for lr, p in node0.items()})
     st = {}
     for k in st_pre:
         per = np.tile(st_pre[k] + st_post[k], C)
