@@ -21,7 +21,8 @@ from torus.sim import replay
 from torus.sim.model import Cost, Layout
 from torus.sim.plans import ALGORITHMS, COLLECTIVES, plan
 
-LAYOUTS = [(1, 5, 1), (5, 1, 5), (2, 3, 2), (3, 2, 3), (2, 2, 1), (3, 4, 2)]  # X, Y, ranks per node
+LAYOUTS = [Layout(1, 5, 1), Layout(5, 1, 5), Layout(2, 3, 2), Layout(3, 2, 3), Layout(2, 2, 1), Layout(3, 4, 2),
+           Layout.uneven(2, 3, (4, 2)), Layout.uneven(1, 5, (2, 3)), Layout.uneven(3, 2, (1, 2, 3))]
 SEGMENTS = [None, 8, 24]  # bytes: unsegmented, one float64 per segment, three
 ITEMSIZE = 8
 
@@ -153,13 +154,12 @@ def _sid_keys(compiled, layout):
     return out
 
 
-@pytest.mark.parametrize("X,Y,L", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay.X}x{lay.Y}/{lay.node_sizes or lay.ranks_per_node}")
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("collective", COLLECTIVES)
-def test_replay_matches_executor(X, Y, L, algorithm, collective):
-    layout = Layout(X, Y, L)
+def test_replay_matches_executor(layout, algorithm, collective):
     N = layout.N
-    rng = np.random.default_rng(N * 31 + L)
+    rng = np.random.default_rng(N * 31 + layout.nodes)
     for count in (0, 1, max(N - 1, 2), 7 * N + 3):
         data = {r: rng.standard_normal(count) for r in range(N)}
         for seg in SEGMENTS:
@@ -172,7 +172,7 @@ def test_replay_matches_executor(X, Y, L, algorithm, collective):
             _, st, _ = replay.full({r: plan(algorithm, collective, r, layout, count) for r in range(N)}, layout,
                                    cost, ITEMSIZE)
             for r in range(N):
-                what = f"{algorithm} {collective} {X}x{Y}/{L} count {count} segment {seg} rank {r}"
+                what = f"{algorithm} {collective} {layout} count {count} segment {seg} rank {r}"
                 # the executor tags by step index: compare the tag with the replay's step
                 assert log[r] == sim_log[r], what
                 assert [sorted(keys[r][g] for g in sids) for _, sids in waits[r] if sids] == sim_waits[r], what
@@ -235,3 +235,52 @@ def test_send_waited_at_its_deadline(overlap):
     assert end[0][0] == pytest.approx(big + small if overlap else big, rel=1e-12)
     assert end[1][0] == pytest.approx(big, rel=1e-12)
     assert end[2][0] == pytest.approx(big + small if overlap else small, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_uneven_layout_against_brute_force(seed):
+    """Layout.uneven's world ranks and nodes, from torus.topology, equal their definitions computed here:
+    nodes are runs of consecutive ranks of the given sizes; "local" lists a node's ranks in order, "cross"
+    the ranks at the same position of their node, in rank order."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(n) for n in rng.integers(1, 5, rng.integers(1, 6))]
+    N = sum(sizes)
+    X = int(rng.choice([d for d in range(1, N + 1) if N % d == 0]))
+    layout = Layout.uneven(X, N // X, sizes)
+    node = [n for n, size in enumerate(sizes) for _ in range(size)]
+    pos = [i for size in sizes for i in range(size)]
+    assert list(layout.node(np.arange(N))) == node and layout.nodes == len(sizes)
+    for r in range(N):
+        members = {"world": list(range(N)), "row": [q for q in range(N) if q // X == r // X],
+                   "col": [q for q in range(N) if q % X == r % X],
+                   "local": [q for q in range(N) if node[q] == node[r]],
+                   "cross": [q for q in range(N) if pos[q] == pos[r]]}
+        for comm, ranks in members.items():
+            assert [layout.world(r, comm, p) for p in range(len(ranks))] == ranks, (sizes, r, comm)
+
+
+def test_uneven_layout_rejects_bad_nodes():
+    with pytest.raises(ValueError, match="do not cover"):
+        Layout.uneven(2, 3, (4, 3))
+
+
+def test_simulate_uneven_nodes():
+    """Uneven nodes through simulate: no tag mismatches for any plan; the ring sends off the node exactly
+    from the ranks whose right neighbour is on another node; the orbit fast path equals the full replay."""
+    from torus.sim.simulate import simulate
+    layout = Layout.uneven(3, 4, (5, 3, 4))
+    cost = Cost(1e-6, 1e-10, 3e-11, 4e-6, 5e-10, segment_bytes=64)
+    node = layout.node(np.arange(12))
+    for algorithm in ALGORITHMS:
+        for collective in COLLECTIVES:
+            r = simulate(algorithm, collective, layout, 12 * 9 + 5, "float32", cost, "full")
+            assert r.tag_mismatches == 0
+    ring = simulate("ring", "allreduce", layout, 12 * 9 + 5, "float32", cost, "full")
+    crossing = node != np.roll(node, -1)
+    assert ring.inter_node_max == pytest.approx(ring.sent_max * max(np.bincount(node, crossing)))
+    for algorithm in ("ring", "torus2d"):
+        full = simulate(algorithm, "allreduce", layout, 12 * 9 + 5, "float32", cost, "full").as_dict()
+        fast = simulate(algorithm, "allreduce", layout, 12 * 9 + 5, "float32", cost, "orbit").as_dict()
+        assert fast.pop("method") == "orbit" and full.pop("method") == "full"
+        for k, v in full.items():
+            assert fast[k] == (pytest.approx(v, rel=1e-12) if isinstance(v, float) else v), k

@@ -15,6 +15,7 @@ Without ``segment_bytes`` a message is one segment.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -51,31 +52,59 @@ class Cost:
 @dataclass(frozen=True)
 class Layout:
     """``N = X * Y`` ranks; rank ``r`` at column ``x = r % X`` of row ``y = r // X`` (as ``TorusComm``);
-    nodes of ``ranks_per_node`` consecutive ranks, which are also the hierarchical schedule's local groups."""
+    nodes of ``ranks_per_node`` consecutive ranks, which are also the hierarchical schedule's local groups, or
+    (``node_sizes``, see ``uneven``) runs of consecutive ranks of those sizes, ``ranks_per_node`` then the
+    largest. Raises ValueError when the nodes do not cover the grid."""
     X: int
     Y: int
     ranks_per_node: int = 1
+    node_sizes: tuple | None = None
 
     def __post_init__(self):
-        if self.X < 1 or self.Y < 1 or self.ranks_per_node < 1 or self.N % self.ranks_per_node:
+        if self.node_sizes is not None:
+            if sum(self.node_sizes) != self.N or min(self.node_sizes) < 1 or \
+                    self.ranks_per_node != max(self.node_sizes):
+                raise ValueError(f"torus-sim: nodes of {list(self.node_sizes)} ranks do not cover the grid "
+                                 f"{self.X}x{self.Y}")
+        elif self.X < 1 or self.Y < 1 or self.ranks_per_node < 1 or self.N % self.ranks_per_node:
             raise ValueError(f"torus-sim: grid {self.X}x{self.Y} with {self.ranks_per_node} ranks per node "
                              "is not a whole number of equal nodes")
+
+    @classmethod
+    def uneven(cls, X: int, Y: int, node_sizes) -> Layout:
+        """Nodes of ``node_sizes`` consecutive ranks (in rank order)."""
+        sizes = tuple(int(n) for n in node_sizes)
+        return cls(X, Y, max(sizes, default=0), sizes)
 
     @property
     def N(self) -> int:
         return self.X * self.Y
 
+    @cached_property
+    def _node_of(self) -> np.ndarray:
+        sizes = self.node_sizes or (self.ranks_per_node,) * (self.N // self.ranks_per_node)
+        return np.repeat(np.arange(len(sizes)), sizes)
+
     @property
     def nodes(self) -> int:
-        return self.N // self.ranks_per_node
+        return len(self.node_sizes) if self.node_sizes is not None else self.N // self.ranks_per_node
+
+    @cached_property
+    def _topologies(self) -> dict:
+        return {}
 
     def topology(self, rank: int) -> Topology:
         """Rank ``rank``'s view of this layout, as TorusComm builds it (torus.topology)."""
-        return Topology.emulated(rank, self.N, (self.X, self.Y), self.ranks_per_node)
+        topo = self._topologies.get(rank)
+        if topo is None:
+            topo = self._topologies[rank] = Topology(rank, self.N, (self.X, self.Y),
+                                                     tuple(int(n) for n in self._node_of))
+        return topo
 
     def world(self, rank: int, comm: str, peer: int) -> int:
-        """World rank of ``peer`` in ``rank``'s communicator ``comm`` (names as in plan.py): the closed form of
-        ``topology(rank).world_rank(comm, peer)`` for these equal nodes, O(1) at any scale."""
+        """World rank of ``peer`` in ``rank``'s communicator ``comm`` (names as in plan.py): for equal nodes
+        the closed form of ``topology(rank).world_rank(comm, peer)``, O(1) at any scale; uneven nodes ask the
+        topology."""
         X, L = self.X, self.ranks_per_node
         if comm == "world":
             return peer
@@ -83,11 +112,16 @@ class Layout:
             return rank - rank % X + peer
         if comm == "col":
             return peer * X + rank % X
+        if comm not in ("local", "cross"):
+            raise SimulationError(f"torus-sim on rank {rank}: unknown communicator {comm!r}")
+        if self.node_sizes is not None:
+            return self.topology(rank).world_rank(comm, peer)
         if comm == "local":
             return rank - rank % L + peer
-        if comm == "cross":
-            return peer * L + rank % L
-        raise SimulationError(f"torus-sim on rank {rank}: unknown communicator {comm!r}")
+        return peer * L + rank % L
 
     def node(self, rank):
-        return rank // self.ranks_per_node
+        """The node index of ``rank`` (an int or an integer array)."""
+        if self.node_sizes is None:
+            return rank // self.ranks_per_node
+        return self._node_of[rank]

@@ -22,7 +22,7 @@ import numpy as np
 from torus.partition import chunks
 from torus.runtime.compile import compile_plan
 from torus.schedules import ring, torus2d
-from torus.schedules.build import build
+from torus.schedules.build import build, effective
 from torus.sim.model import Layout, SimulationError
 
 ALGORITHMS = ("ring", "hierarchical", "torus2d")
@@ -31,9 +31,11 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 
 def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int):
     """The list of Steps ``rank`` runs; ``count`` in elements (reduce-scatter and all-gather: ``chunks(count,
-    N)`` blocks). Built by the same ``torus.schedules.build`` as TorusComm's, on the layout's topology."""
+    N)`` blocks). Built by the same ``torus.schedules.build`` as TorusComm's, on the layout's topology, with
+    its fallback (``effective``: hierarchical reduce-scatter and all-gather run the ring on uneven nodes)."""
     counts = count if collective == "allreduce" else tuple(chunks(count, layout.N)[0])
-    return build(collective, algorithm, layout.topology(rank), counts)
+    topology = layout.topology(rank)
+    return build(collective, effective(collective, algorithm, topology), topology, counts)
 
 
 @dataclass

@@ -45,7 +45,7 @@ class Result:
 
 
 def _result(algorithm, collective, layout, count, itemsize, time, depth, st, mismatches, method) -> Result:
-    node = np.arange(layout.N) // layout.ranks_per_node
+    node = layout.node(np.arange(layout.N))
     per_node = np.bincount(node, weights=st["inter"], minlength=layout.nodes)
     return Result(algorithm, collective, layout.N, f"{layout.X}x{layout.Y}", layout.ranks_per_node, count,
                   count * itemsize, int(depth), float(st["msgs"].max()), float(st["msgs"].mean()),
@@ -81,6 +81,9 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
         return _result(algorithm, collective, layout, count, itemsize, time, depth, st, mism, "full")
     if method != "orbit":
         raise ValueError(f"torus-sim: unknown method {method!r}")
+    if algorithm == "hierarchical" and layout.node_sizes is not None:
+        raise SimulationError("torus-sim: the hierarchical orbit needs nodes of equal size; replay uneven "
+                              "nodes in full (method='full')")
     if algorithm == "hierarchical" and collective == "allreduce":
         return _hierarchical_allreduce(layout, count, itemsize, cost)
     a = P.orbit(algorithm, collective, layout, count)
