@@ -95,7 +95,9 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
 def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cost) -> Result:
     """Nodes run identical node-local phases (the local chunks do not depend on the node), so one node is
     replayed in full before and after the leaders' cross-node ring, which runs as an orbit over all leaders.
-    The node whose leader finishes the ring last finishes last (the replay is monotone in start times)."""
+    The node whose leader finishes the ring last finishes last (the replay is monotone in start times).
+    A send still outstanding at the end of a phase is waited for there (a little later than the executor,
+    which waits at its deadline step, where that lies in the next phase)."""
     L, C = layout.ranks_per_node, layout.nodes
     node0 = {lr: P.plan("hierarchical", "allreduce", lr, layout, count) for lr in range(L)}
     compiled = replay.compile_all(node0, cost, itemsize)
