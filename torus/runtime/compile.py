@@ -16,6 +16,7 @@ does not hold yet (``stage``).
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, replace
 
 from torus.partition import segments
@@ -116,26 +117,32 @@ def _deadlines(steps: list) -> tuple:
     """Set each send's ``until`` (the first later step that writes, i.e. receives into, reduces into or
     scales, any element the send reads from buf, or ``len(steps)``; reading the same region again is no
     conflict) and its ``sid``, and give each step the sends to wait for before it (``retire``).
-    Returns (steps, every send as (step, message), the sends left for the end)."""
+    Returns (steps, every send as (step, message), the sends left for the end).
+
+    One backward pass over the steps keeps, per elementary interval of the buffer (cut at every message
+    boundary), the next step that writes it: linear in the messages for a ring plan, not quadratic."""
     writes = []
     for st in steps:
         spans = [(m.lo, m.hi) for m in st.recvs if m.hi > m.lo]
         if st.scale is not None and st.scale[1] > st.scale[0]:
             spans.append(st.scale)
-        box = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
-        writes.append((box, spans))
+        writes.append(spans)
+    cuts = sorted({b for st in steps for m in st.sends for b in (m.lo, m.hi)}
+                  | {b for spans in writes for span in spans for b in span})
+    nxt = [len(steps)] * len(cuts)  # nxt[j]: the next step that writes [cuts[j], cuts[j + 1])
+    untils: list = [()] * len(steps)
+    for si in range(len(steps) - 1, -1, -1):
+        untils[si] = tuple(min(nxt[bisect_left(cuts, m.lo):bisect_left(cuts, m.hi)], default=len(steps))
+                           for m in steps[si].sends)
+        for lo, hi in writes[si]:
+            a, b = bisect_left(cuts, lo), bisect_left(cuts, hi)
+            nxt[a:b] = [si] * (b - a)
     out: list = []
     every: list = []
     retire: list = [[] for _ in range(len(steps) + 1)]
     for si, st in enumerate(steps):
         sends = []
-        for m in st.sends:
-            until = len(steps)
-            for t in range(si + 1, len(steps)):
-                (blo, bhi), spans = writes[t]
-                if blo < m.hi and m.lo < bhi and any(a < m.hi and m.lo < b for a, b in spans):
-                    until = t
-                    break
+        for m, until in zip(st.sends, untils[si]):
             m = replace(m, until=until, sid=len(every))
             retire[until].append(m.sid)
             every.append((si, m))
@@ -145,6 +152,11 @@ def _deadlines(steps: list) -> tuple:
     return out, tuple(every), tuple(retire[len(steps)])
 
 
+def segment_elements(segment_bytes: int, itemsize: int) -> int:
+    """Elements per segment: the most that fit in ``segment_bytes``, at least one."""
+    return max(1, segment_bytes // itemsize)
+
+
 def compile_plan(plan, comms: dict, segment_bytes: int, itemsize: int, count: int | None = None,
             table=None) -> CompiledPlan:
     """Cut every message of ``plan`` into segments of at most ``segment_bytes``; ``count`` (elements of
@@ -152,7 +164,7 @@ def compile_plan(plan, comms: dict, segment_bytes: int, itemsize: int, count: in
     end because no step writes them. ``comms`` maps communicator names to the objects messages carry
     (MPI communicators; anything, e.g. None, for the simulator). ``table(steps, itemsize, tail)``, if
     given, builds the C step loop's arrays once, here."""
-    seg = max(1, segment_bytes // itemsize)
+    seg = segment_elements(segment_bytes, itemsize)
     steps, touched, extent = [], _Touched(), 0
     mirrored = _Touched()  # device buffers: where the host mirror holds the device's current bytes
     for step in plan:

@@ -6,15 +6,16 @@ MPICH", IJHPCA 19(1), section 2): a message of ``b`` bytes costs ``α + β·b`` 
 ``γ·b``. Two levels: a message whose peer sits on another node (world rank // ranks_per_node differs) pays
 ``inter_alpha``/``inter_beta`` instead.
 
-Segmentation (``segment_bytes``, the executor's pipelining unit) is modelled simply: a message of ``k``
-segments pays ``k·α + β·b``, and only the reduction of the last segment is exposed, plus whatever part of each
-earlier segment's reduction is longer than the next segment's transfer:
-``γ·min(b, S) + (k-1)·max(0, γ·S - (α + β·S))``. Without ``segment_bytes`` a message is one unit.
+Segmentation (``segment_bytes``, the executor's pipelining unit): the replay runs the segments the executor
+sends (torus.runtime.compile), each paying ``α + β·b`` and its own reduction, one segment after another, so a
+message of ``k`` segments pays ``k·α + β·b`` and only the reduction of the last segment is exposed, plus
+whatever part of the earlier segments' reductions is longer than the next segment's transfer (replay.py).
+Without ``segment_bytes`` a message is one segment.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -47,55 +48,63 @@ class Cost:
             return np.where(crossing, ia, self.alpha), np.where(crossing, ib, self.beta)
         return (ia, ib) if crossing else (self.alpha, self.beta)
 
-    def nseg(self, nbytes):
-        if self.segment_bytes is None:
-            return np.ones_like(nbytes) if isinstance(nbytes, np.ndarray) else 1
-        if isinstance(nbytes, np.ndarray):
-            return np.maximum(1, -(-nbytes // self.segment_bytes))
-        return max(1, math.ceil(nbytes / self.segment_bytes))
-
-    def transfer(self, nbytes, alpha, beta):
-        """Seconds from the first byte leaving to the last arriving: k·α + β·b."""
-        return self.nseg(nbytes) * alpha + beta * nbytes
-
-    def reduce_exposed(self, nbytes, alpha, beta):
-        """Seconds of reduction after the last segment arrived (see the module docstring)."""
-        if self.segment_bytes is None:
-            return self.gamma * nbytes
-        S = self.segment_bytes
-        k = self.nseg(nbytes)
-        hidden = np.maximum(0.0, self.gamma * S - (alpha + beta * S))
-        return self.gamma * np.minimum(nbytes, S) + (k - 1) * hidden
-
 
 @dataclass(frozen=True)
 class Layout:
     """``N = X * Y`` ranks; rank ``r`` at column ``x = r % X`` of row ``y = r // X`` (as ``TorusComm``);
-    nodes of ``ranks_per_node`` consecutive ranks, which are also the hierarchical schedule's local groups."""
+    nodes of ``ranks_per_node`` consecutive ranks, which are also the hierarchical schedule's local groups, or
+    (``node_sizes``, see ``uneven``) runs of consecutive ranks of those sizes, ``ranks_per_node`` then the
+    largest. Raises ValueError when the nodes do not cover the grid."""
     X: int
     Y: int
     ranks_per_node: int = 1
+    node_sizes: tuple | None = None
 
     def __post_init__(self):
-        if self.X < 1 or self.Y < 1 or self.ranks_per_node < 1 or self.N % self.ranks_per_node:
+        if self.node_sizes is not None:
+            if sum(self.node_sizes) != self.N or min(self.node_sizes) < 1 or \
+                    self.ranks_per_node != max(self.node_sizes):
+                raise ValueError(f"torus-sim: nodes of {list(self.node_sizes)} ranks do not cover the grid "
+                                 f"{self.X}x{self.Y}")
+        elif self.X < 1 or self.Y < 1 or self.ranks_per_node < 1 or self.N % self.ranks_per_node:
             raise ValueError(f"torus-sim: grid {self.X}x{self.Y} with {self.ranks_per_node} ranks per node "
                              "is not a whole number of equal nodes")
+
+    @classmethod
+    def uneven(cls, X: int, Y: int, node_sizes) -> Layout:
+        """Nodes of ``node_sizes`` consecutive ranks (in rank order)."""
+        sizes = tuple(int(n) for n in node_sizes)
+        return cls(X, Y, max(sizes, default=0), sizes)
 
     @property
     def N(self) -> int:
         return self.X * self.Y
 
+    @cached_property
+    def _node_of(self) -> np.ndarray:
+        sizes = self.node_sizes or (self.ranks_per_node,) * (self.N // self.ranks_per_node)
+        return np.repeat(np.arange(len(sizes)), sizes)
+
     @property
     def nodes(self) -> int:
-        return self.N // self.ranks_per_node
+        return len(self.node_sizes) if self.node_sizes is not None else self.N // self.ranks_per_node
+
+    @cached_property
+    def _topologies(self) -> dict:
+        return {}
 
     def topology(self, rank: int) -> Topology:
         """Rank ``rank``'s view of this layout, as TorusComm builds it (torus.topology)."""
-        return Topology.emulated(rank, self.N, (self.X, self.Y), self.ranks_per_node)
+        topo = self._topologies.get(rank)
+        if topo is None:
+            topo = self._topologies[rank] = Topology(rank, self.N, (self.X, self.Y),
+                                                     tuple(int(n) for n in self._node_of))
+        return topo
 
     def world(self, rank: int, comm: str, peer: int) -> int:
-        """World rank of ``peer`` in ``rank``'s communicator ``comm`` (names as in plan.py): the closed form of
-        ``topology(rank).world_rank(comm, peer)`` for these equal nodes, O(1) at any scale."""
+        """World rank of ``peer`` in ``rank``'s communicator ``comm`` (names as in plan.py): for equal nodes
+        the closed form of ``topology(rank).world_rank(comm, peer)``, O(1) at any scale; uneven nodes ask the
+        topology."""
         X, L = self.X, self.ranks_per_node
         if comm == "world":
             return peer
@@ -103,11 +112,16 @@ class Layout:
             return rank - rank % X + peer
         if comm == "col":
             return peer * X + rank % X
+        if comm not in ("local", "cross"):
+            raise SimulationError(f"torus-sim on rank {rank}: unknown communicator {comm!r}")
+        if self.node_sizes is not None:
+            return self.topology(rank).world_rank(comm, peer)
         if comm == "local":
             return rank - rank % L + peer
-        if comm == "cross":
-            return peer * L + rank % L
-        raise SimulationError(f"torus-sim on rank {rank}: unknown communicator {comm!r}")
+        return peer * L + rank % L
 
     def node(self, rank):
-        return rank // self.ranks_per_node
+        """The node index of ``rank`` (an int or an integer array)."""
+        if self.node_sizes is None:
+            return rank // self.ranks_per_node
+        return self._node_of[rank]

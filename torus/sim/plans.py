@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from torus.partition import chunks
+from torus.runtime.compile import compile_plan
 from torus.schedules import ring, torus2d
-from torus.schedules.build import build
+from torus.schedules.build import build, effective
 from torus.sim.model import Layout, SimulationError
 
 ALGORITHMS = ("ring", "hierarchical", "torus2d")
@@ -30,22 +31,26 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 
 def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int):
     """The list of Steps ``rank`` runs; ``count`` in elements (reduce-scatter and all-gather: ``chunks(count,
-    N)`` blocks). Built by the same ``torus.schedules.build`` as TorusComm's, on the layout's topology."""
+    N)`` blocks). Built by the same ``torus.schedules.build`` as TorusComm's, on the layout's topology, with
+    its fallback (``effective``: hierarchical reduce-scatter and all-gather run the ring on uneven nodes)."""
     counts = count if collective == "allreduce" else tuple(chunks(count, layout.N)[0])
-    return build(collective, algorithm, layout.topology(rank), counts)
+    topology = layout.topology(rank)
+    return build(collective, effective(collective, algorithm, topology), topology, counts)
 
 
 @dataclass
 class Arrays:
     """Step-aligned messages of a set of ranks: at step ``s`` rank ``i`` (world rank ``world[i]``) receives
     ``rb[s, i]`` elements from index ``rp[s, i]`` (-1: none; ``rr``: reduced) and sends ``sb[s, i]`` to
-    ``sp[s, i]``. Shapes (steps, ranks); ``row(s)`` gives one step's five rows."""
+    ``sp[s, i]``, which must complete before step ``until[s, i]`` (compile_plan's deadline; ``nsteps``: the
+    end). Shapes (steps, ranks); ``row(s)`` gives one step's five rows, ``deadline(s)`` its deadlines."""
     world: np.ndarray
     rp: np.ndarray
     rb: np.ndarray
     rr: np.ndarray
     sp: np.ndarray
     sb: np.ndarray
+    until: np.ndarray
 
     @property
     def nsteps(self) -> int:
@@ -53,6 +58,9 @@ class Arrays:
 
     def row(self, s: int, cols=slice(None)):
         return self.rp[s, cols], self.rb[s, cols], self.rr[s, cols], self.sp[s, cols], self.sb[s, cols]
+
+    def deadline(self, s: int, cols=slice(None)):
+        return self.until[s, cols]
 
 
 @dataclass
@@ -63,6 +71,7 @@ class RingArrays:
     real: np.ndarray  # chunk sizes of the real partition
     recv: list  # per step: (peer, chunk, reduce) or None
     send: list  # per step: (peer, chunk) or None
+    until: list  # per step: the send's deadline step (the same on every rank)
 
     @property
     def nsteps(self) -> int:
@@ -84,11 +93,30 @@ class RingArrays:
             sp = np.where(sb > 0, (peer + shift) % n, -1)
         return rp, rb, rr, sp, sb
 
+    def deadline(self, s: int, cols=None):
+        return np.full(self.world.size if cols is None else len(cols), self.until[s])
+
 
 def _empty(S: int, n: int, world) -> Arrays:
     neg = np.full((S, n), -1, np.int64)
     zero = np.zeros((S, n), np.int64)
-    return Arrays(np.asarray(world, np.int64), neg, zero, np.zeros((S, n), bool), neg.copy(), zero.copy())
+    return Arrays(np.asarray(world, np.int64), neg, zero, np.zeros((S, n), bool), neg.copy(), zero.copy(),
+                  np.full((S, n), S, np.int64))
+
+
+def deadlines(steps, itemsize: int = 1, segment_bytes: int = 1 << 62) -> list:
+    """Per step of ``steps`` the deadline compile_plan gives its sends (``len(steps)``: the end; None: no
+    send). Raises SimulationError when the segments of one step's sends have different deadlines."""
+    plan = compile_plan(steps, dict.fromkeys(("world", "row", "col", "local", "cross")), segment_bytes,
+                        itemsize)
+    out = []
+    for s, step in enumerate(plan.steps):
+        until = {m.until for m in step.sends}
+        if len(until) > 1:
+            raise SimulationError(f"torus-sim: step {s}'s sends are due at different steps {sorted(until)}; "
+                                  "the orbit fast path needs one deadline per step")
+        out.append(until.pop() if until else None)
+    return out
 
 
 def _one(msgs, what: str, rank: int, s: int):
@@ -116,12 +144,14 @@ def ring_orbit(size: int, count: int, comm: str, labelled_steps, world) -> RingA
     """Every rank's messages of a ring phase on ``size`` ranks (``world``: their world ranks, in comm order),
     from rank 0's labelled steps (offsets are chunk numbers)."""
     recv, send = [], []
+    until = [len(labelled_steps) if u is None else u for u in deadlines(labelled_steps)]
     for s, step in enumerate(labelled_steps):
         r = _one([m for m in step.recvs if m.comm == comm], "ring orbit", 0, s)
         m = _one([m for m in step.sends if m.comm == comm], "ring orbit", 0, s)
         recv.append((r.peer, r.offset, r.reduce) if r else None)
         send.append((m.peer, m.offset) if m else None)
-    return RingArrays(np.asarray(world, np.int64), np.asarray(chunks(count, size)[0], np.int64), recv, send)
+    return RingArrays(np.asarray(world, np.int64), np.asarray(chunks(count, size)[0], np.int64), recv, send,
+                      until)
 
 
 def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays | RingArrays:
@@ -158,6 +188,8 @@ def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays
         if len(steps) != S:
             raise SimulationError(f"torus-sim {algorithm} {collective}: ranks differ in step counts")
         cols = ys * X + x  # world ranks of column x
+        for s, u in enumerate(deadlines(steps)):
+            a.until[s, cols] = S if u is None else u
         for s, step in enumerate(steps):
             for msgs, peer, nb, is_recv in ((step.recvs, a.rp, a.rb, True), (step.sends, a.sp, a.sb, False)):
                 m = _one(list(msgs), f"{algorithm} orbit", x, s)
@@ -182,8 +214,11 @@ def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays
     return a
 
 
-def verify(a, algorithm: str, collective: str, layout: Layout, count: int, ranks) -> None:
-    """Raise SimulationError unless the orbit arrays equal the real plans of ``ranks`` (at the real count)."""
+def verify(a, algorithm: str, collective: str, layout: Layout, count: int, ranks, itemsize: int = 4,
+           segment_bytes: int = 1 << 62) -> None:
+    """Raise SimulationError unless the orbit arrays equal the real plans of ``ranks`` (at the real count),
+    their messages and their sends' deadlines as compile_plan sets them at this ``itemsize`` and
+    ``segment_bytes``."""
     index = {int(w): i for i, w in enumerate(a.world)}.__getitem__
     cols = [index(r) for r in ranks]
     derived: list = [[] for _ in ranks]
@@ -191,10 +226,16 @@ def verify(a, algorithm: str, collective: str, layout: Layout, count: int, ranks
         rp, rb, rr, sp, sb = a.row(s, cols)
         for j in range(len(cols)):
             derived[j].append((int(rp[j]), int(rb[j]), bool(rr[j]) and rp[j] >= 0, int(sp[j]), int(sb[j])))
-    for r, mine in zip(ranks, derived):
-        real = extract(plan(algorithm, collective, r, layout, count), r, layout, index)
+    for j, (r, mine) in enumerate(zip(ranks, derived)):
+        steps = plan(algorithm, collective, r, layout, count)
+        real = extract(steps, r, layout, index)
         real = [(rp, rb, rr and rp >= 0, sp, sb) for rp, rb, rr, sp, sb in real]
         if real != mine:
             bad = next((s for s, (u, v) in enumerate(zip(real, mine)) if u != v), min(len(real), len(mine)))
             raise SimulationError(f"torus-sim {algorithm} {collective} on rank {r}: the rotated plan differs "
                                   f"from the real plan at step {bad}; the orbit fast path does not apply")
+        for s, u in enumerate(deadlines(steps, itemsize, segment_bytes)):
+            if u is not None and u != int(a.deadline(s, [cols[j]])[0]):
+                raise SimulationError(f"torus-sim {algorithm} {collective} on rank {r}: the send of step {s} "
+                                      f"is due at step {u}, not at the representative's; the orbit fast path "
+                                      "does not apply")

@@ -45,7 +45,7 @@ class Result:
 
 
 def _result(algorithm, collective, layout, count, itemsize, time, depth, st, mismatches, method) -> Result:
-    node = np.arange(layout.N) // layout.ranks_per_node
+    node = layout.node(np.arange(layout.N))
     per_node = np.bincount(node, weights=st["inter"], minlength=layout.nodes)
     return Result(algorithm, collective, layout.N, f"{layout.X}x{layout.Y}", layout.ranks_per_node, count,
                   count * itemsize, int(depth), float(st["msgs"].max()), float(st["msgs"].mean()),
@@ -81,10 +81,13 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
         return _result(algorithm, collective, layout, count, itemsize, time, depth, st, mism, "full")
     if method != "orbit":
         raise ValueError(f"torus-sim: unknown method {method!r}")
+    if algorithm == "hierarchical" and layout.node_sizes is not None:
+        raise SimulationError("torus-sim: the hierarchical orbit needs nodes of equal size; replay uneven "
+                              "nodes in full (method='full')")
     if algorithm == "hierarchical" and collective == "allreduce":
         return _hierarchical_allreduce(layout, count, itemsize, cost)
     a = P.orbit(algorithm, collective, layout, count)
-    P.verify(a, algorithm, collective, layout, count, _samples(layout.N))
+    P.verify(a, algorithm, collective, layout, count, _samples(layout.N), itemsize, replay.segment_bytes(cost))
     T, D, st = replay.lockstep(a, layout, cost, itemsize)
     return _result(algorithm, collective, layout, count, itemsize, T.max(), D.max(), st, 0, "orbit")
 
@@ -92,15 +95,18 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
 def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cost) -> Result:
     """Nodes run identical node-local phases (the local chunks do not depend on the node), so one node is
     replayed in full before and after the leaders' cross-node ring, which runs as an orbit over all leaders.
-    The node whose leader finishes the ring last finishes last (the replay is monotone in start times)."""
+    The node whose leader finishes the ring last finishes last (the replay is monotone in start times).
+    A send still outstanding at the end of a phase is waited for there (a little later than the executor,
+    which waits at its deadline step, where that lies in the next phase)."""
     L, C = layout.ranks_per_node, layout.nodes
     node0 = {lr: P.plan("hierarchical", "allreduce", lr, layout, count) for lr in range(L)}
+    compiled = replay.compile_all(node0, cost, itemsize)
     crosses = [s for s, st in enumerate(node0[0]) if any(m.comm == "cross" for m in st.sends + st.recvs)]
     a, b = (crosses[0], crosses[-1] + 1) if crosses else (len(node0[0]), len(node0[0]))
-    mism = replay.match({lr: [Step(tuple(m for m in st.sends if m.comm != "cross"),
-                                  tuple(m for m in st.recvs if m.comm != "cross"), st.scale) for st in p]
-                         for lr, p in node0.items()}, layout)[3]
-    pre, st_pre, _ = replay.full({lr: p[:a] for lr, p in node0.items()}, layout, cost, itemsize)
+    local = {lr: [Step(tuple(m for m in st.sends if m.comm != "cross"), tuple(m for m in st.recvs if m.comm != "cross"),
+                       st.scale) for st in p] for lr, p in node0.items()}
+    mism = replay.match(replay.compile_all(local, cost, itemsize), layout)[3]
+    pre, st_pre, _ = replay.full(compiled, layout, cost, itemsize, window={lr: (0, a) for lr in node0})
     t_c, d_c = np.full(C, pre[0][0]), np.full(C, pre[0][1], np.int64)
     cross = {k: np.zeros(C) for k in st_pre}
     if crosses:
@@ -112,15 +118,17 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
             got = P.extract(real, n * L, layout, lambda w: w // L, "hierarchical cross")
             want = [(int(rp[0]), int(rb[0]), bool(rr[0]), int(sp[0]), int(sb[0]))
                     for rp, rb, rr, sp, sb in (arr.row(s, [n]) for s in range(arr.nsteps))]
+            due = P.deadlines(real, itemsize, replay.segment_bytes(cost))
             if [(p, c, r and p >= 0, q, d) for p, c, r, q, d in got] != \
-                    [(p, c, r and p >= 0, q, d) for p, c, r, q, d in want]:
+                    [(p, c, r and p >= 0, q, d) for p, c, r, q, d in want] or \
+                    any(u is not None and u != arr.until[s] for s, u in enumerate(due)):
                 raise SimulationError(f"torus-sim hierarchical allreduce on rank {n * L}: the rotated cross "
                                       "ring differs from the real plan")
         t_c, d_c, cross = replay.lockstep(arr, layout, cost, itemsize, t_c, d_c)
     start = {lr: pre[lr] for lr in range(L)}
     start[0] = (float(t_c.max()), int(d_c.max()))
-    post, st_post, _ = replay.full({lr: (p[b:] if lr == 0 else p[a:]) for lr, p in node0.items()}, layout, cost,
-                                   itemsize, start)
+    post, st_post, _ = replay.full(compiled, layout, cost, itemsize, start,
+                                   {lr: (b if lr == 0 else a, len(p)) for lr, p in node0.items()})
     st = {}
     for k in st_pre:
         per = np.tile(st_pre[k] + st_post[k], C)
