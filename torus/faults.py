@@ -29,8 +29,8 @@ So :func:`abort` (which the hook calls) arms a watchdog first: ``SIGALRM`` with 
 kernel carries out whatever the process is blocked in (a Python thread could not run inside
 ``MPI_Finalize``), after ``TORUS_ABORT_TIMEOUT`` seconds (default 10); and if ``MPI_Abort`` returns it leaves
 at once with ``os._exit(status)``. A rank that raised a stall timeout also arms the watchdog when Python
-exits, so an uncaught ``TimeoutError`` without the hook, or ``sys.exit`` after catching it, ends the rank
-too instead of hanging in ``MPI_Finalize``. Not covered: a rank stuck outside torus (in the caller's code) on
+exits (for three abort timeouts), so an uncaught ``TimeoutError`` without the hook, or ``sys.exit`` after
+catching it, ends the rank too instead of hanging in ``MPI_Finalize``. Not covered: a rank stuck outside torus (in the caller's code) on
 a host cut off from ``mpiexec`` stays alive, since hydra's proxy leaves the killing of its ranks to
 ``mpiexec``.
 """
@@ -51,6 +51,7 @@ ABORT_GRACE_S = 0.5
 # Where MPI_Abort works it ends every rank within about a second (tests/test_faults_subprocess.py); the
 # watchdog must not fire before that, and a stuck rank should not outlive its job by much.
 ABORT_TIMEOUT_S = 10.0
+EXIT_AFTER_STALL = 3  # the watchdog at exit after a stall: this many abort timeouts
 _stalled = False  # set when this process raised a stall timeout: its communicators may never finish
 
 
@@ -79,7 +80,9 @@ def _stall() -> None:
     global _stalled
     if not _stalled:
         _stalled = True
-        atexit.register(watchdog, "exiting after a stall timeout")
+        # Three abort timeouts: Python's own exit (TensorFlow's teardown, other atexit handlers) runs first and
+        # took over 10 s on a loaded 2-core machine after a stall that the caller had caught and recovered from.
+        atexit.register(lambda: watchdog("exiting after a stall timeout", EXIT_AFTER_STALL * _timeout_s()))
 
 
 def _timeout_s() -> float:
