@@ -8,7 +8,8 @@ context's ``all_reduce`` of the gradient list, after clipping and the loss-scale
 gradients are all-reduced earlier instead, at the start of ``optimizer.apply`` (``gradients.py``), and that later
 reduction passes them through. Keras scales each rank's loss by ``1 / num_replicas_in_sync``, so the summed
 gradient is the mean over the global batch and one step equals one single-process step on the concatenated
-batch (up to summation order).
+batch (up to summation order). ``experimental_distribute_dataset`` (Keras' route for every input) returns
+this rank's share (``inputs.split_batches``) as a plain ``tf.data`` dataset, without TF's MultiDeviceIterator.
 
 This relies on TensorFlow internals (``tensorflow.python.distribute.one_device_strategy.OneDeviceExtended``),
 checked on TensorFlow 2.21 / Keras 3.15, the versions pinned in pyproject.toml; tests/mpi/test_keras_*.py
