@@ -8,7 +8,8 @@ context's ``all_reduce`` of the gradient list, after clipping and the loss-scale
 gradients are all-reduced earlier instead, at the start of ``optimizer.apply`` (``gradients.py``), and that later
 reduction passes them through. Keras scales each rank's loss by ``1 / num_replicas_in_sync``, so the summed
 gradient is the mean over the global batch and one step equals one single-process step on the concatenated
-batch (up to summation order).
+batch (up to summation order). ``experimental_distribute_dataset`` (Keras' route for every input) returns
+this rank's share (``inputs.split_batches``) as a plain ``tf.data`` dataset, without TF's MultiDeviceIterator.
 
 This relies on TensorFlow internals (``tensorflow.python.distribute.one_device_strategy.OneDeviceExtended``),
 checked on TensorFlow 2.21 / Keras 3.15, the versions pinned in pyproject.toml; tests/mpi/test_keras_*.py
@@ -66,9 +67,16 @@ class _TorusExtended(one_device_strategy.OneDeviceExtended):
         return allreduce_tensors(self._host, values, op)
 
     def _experimental_distribute_dataset(self, dataset, options):
-        # Keras hands every kind of input here as a tf.data dataset of global batches (or per-rank ones)
-        return super()._experimental_distribute_dataset(
-            inputs.split_batches(self._container_strategy(), dataset), options)
+        # Keras hands every kind of input here as a tf.data dataset of global batches (or per-rank ones).
+        # This rank's share goes back as a plain tf.data dataset, not wrapped in TF's DistributedDataset:
+        # with one replica per process that wrapper only adds a MultiDeviceIterator, and TF 2.21 tears one
+        # down unsafely: its background thread can still be in the host iterator's GetNext when the
+        # iterator is deleted, a use after free (SIGSEGV in MultiDeviceBuffer::BackgroundThread, seen in
+        # core dumps). Keras deletes a freshly started iterator in every fit/evaluate under a strategy
+        # (the first-batch peek in _maybe_symbolic_build, then EpochIterator.reset), so the race fired
+        # in about half of the 3-rank test runs on a loaded machine. Keras' steps take a tf.data
+        # iterator as they do without a strategy; a GPU ``device`` gets its batch copied at the step.
+        return inputs.split_batches(self._container_strategy(), dataset)
 
 
 class TorusStrategy(tf.distribute.Strategy):

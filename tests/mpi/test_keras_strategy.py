@@ -201,3 +201,37 @@ def test_jit_compile_is_refused(strategy):
     x, y = data(n=B)
     with pytest.raises(ValueError, match="jit_compile=False"):
         model.fit(x, y, batch_size=B, verbose=0, callbacks=strategy.callbacks())
+
+
+def test_distributed_dataset_is_this_ranks_share_of_each_batch(world, strategy):
+    """experimental_distribute_dataset (custom loops; Keras' fit/evaluate) yields rows
+    [n*rank//size, n*(rank+1)//size) of every global batch of n rows, as a plain tf.data dataset: TF's
+    DistributedDataset wrapper brought a MultiDeviceIterator whose teardown crashed (strategy.py)."""
+    x = np.random.default_rng(10).standard_normal((31, 3)).astype(np.float32)  # batches of 7, last one 3
+    shares = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(7))
+    assert isinstance(shares, tf.data.Dataset)
+    r, n = strategy.rank, strategy.size
+    want = [x[i:i + 7][len(x[i:i + 7]) * r // n:len(x[i:i + 7]) * (r + 1) // n] for i in range(0, 31, 7)]
+    got = [b.numpy() for b in shares]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_repeated_evaluate_peeks_and_drops_iterators_safely(world, strategy):
+    """Every evaluate under a strategy starts an iterator, peeks one batch and deletes it; with TF's
+    MultiDeviceIterator that teardown could crash the job (SIGSEGV). The loss each time equals one process
+    on the global data."""
+    x, y = data(seed=11, n=31)
+    w0 = initial_weights(dense_model(), seed=12)
+    with strategy.scope():
+        model = dense_model()
+        model.set_weights(w0)
+        compile_(model)
+    ref = dense_model()
+    ref.set_weights(w0)
+    compile_(ref)
+    with fit_hook.local():
+        want = ref.evaluate(x, y, batch_size=4, verbose=0)
+    for _ in range(15):
+        assert model.evaluate(x, y, batch_size=4, verbose=0) == pytest.approx(want, rel=1e-5, abs=1e-6)
