@@ -21,8 +21,9 @@ A suite whose process is killed by a signal (SIGSEGV, SIGBUS: a crash, not a fai
 is reported as a crash ('CRASH mpiexec -n 3: killed by SIGSEGV') and fails the run. Only with
 ``--rerun-crashed`` (or ``TORUS_TESTS_RERUN_CRASHED=1``) is it run once more, whole, and the rerun's result
 counts; the crash is still reported. CI (.ci/run) never sets either: a crash is a bug until shown otherwise
-(one CI run died on a segfault inside TensorFlow 2.21's ``model.evaluate``, tests/mpi/test_keras_strategy.py,
-and 18 reruns did not reproduce it).
+(the one seen in CI, a segfault inside TensorFlow 2.21 while Keras dropped a freshly started iterator, was TF's
+MultiDeviceIterator freeing itself under its own background thread; TorusStrategy no longer creates one, see
+integrations/keras/strategy.py).
 """
 from __future__ import annotations
 

@@ -26,12 +26,12 @@ hydra proxy but the proxy cannot reach ``mpiexec``, and (measured on an emulated
 ``MPI_Abort`` returns (it does on every host: MPICH's hands the request to the proxy and leaves the killing to
 hydra), and Python's exit then blocks for good in ``MPI_Finalize`` waiting on the same proxy.
 So :func:`abort` (which the hook calls) arms a watchdog first: ``SIGALRM`` with its default action, which the
-kernel carries out whatever the process is blocked in (a Python thread could not run inside
-``MPI_Finalize``), after ``TORUS_ABORT_TIMEOUT`` seconds (default 10); and if ``MPI_Abort`` returns it leaves
-at once with ``os._exit(status)``. A rank that raised a stall timeout also arms the watchdog when Python
-exits (for three abort timeouts), so an uncaught ``TimeoutError`` without the hook, or ``sys.exit`` after
-catching it, ends the rank too instead of hanging in ``MPI_Finalize``. Not covered: a rank stuck outside torus (in the caller's code) on
-a host cut off from ``mpiexec`` stays alive, since hydra's proxy leaves the killing of its ranks to
+kernel carries out whatever the process is blocked in (a Python thread could not run inside ``MPI_Finalize``),
+after ``TORUS_ABORT_TIMEOUT`` seconds (default 10); and if ``MPI_Abort`` returns it leaves at once with
+``os._exit(status)``. A rank that raised a stall timeout also arms the watchdog when Python exits (for three
+abort timeouts), so an uncaught ``TimeoutError`` without the hook, or ``sys.exit`` after catching it, ends the
+rank too instead of hanging in ``MPI_Finalize``. Not covered: a rank stuck outside torus (in the caller's
+code) on a host cut off from ``mpiexec`` stays alive, since hydra's proxy leaves the killing of its ranks to
 ``mpiexec``.
 """
 from __future__ import annotations
