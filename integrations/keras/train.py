@@ -483,7 +483,7 @@ class Trainer:
     def _fit_epoch(self, dataset, epoch: int, steps: int, callbacks) -> dict:
         with warnings.catch_warnings():
             # Per-rank batch-norm statistics are this recipe's choice (each rank normalizes its own batch, as
-            # Goyal et al. 2017, section 5.1, compute them per worker); the strategy's warning is for users
+            # Goyal et al. 2017 compute them per worker); the strategy's warning is for users
             # who did not choose them.
             warnings.filterwarnings("ignore", message="TorusStrategy: BatchNormalization layers")
             history = self.model.fit(dataset, initial_epoch=epoch, epochs=epoch + 1, steps_per_epoch=steps,
