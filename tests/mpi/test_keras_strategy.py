@@ -15,6 +15,7 @@ tf = pytest.importorskip("tensorflow")
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
+from kerasref import Record, assert_identical_across_ranks  # noqa: E402
 
 from torus.integrations.keras import LARS, HostAllreduce, TorusStrategy, allreduce_tensors, fit_hook  # noqa: E402
 
@@ -43,23 +44,6 @@ def initial_weights(model, seed=1):
 def compile_(model, optimizer=None, **kw):
     model.compile(optimizer or LARS(learning_rate=0.5, trust_coefficient=0.02, weight_decay=1e-3),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False, **kw)
-
-
-class Record(keras.callbacks.Callback):
-    """Weights after every step."""
-
-    def __init__(self):
-        super().__init__()
-        self.steps = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.steps.append([np.array(w) for w in self.model.get_weights()])
-
-
-def assert_identical_across_ranks(world, arrays, what):
-    blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-    every = world.allgather(blob)
-    assert all(x == every[0] for x in every), f"{what}: weights differ between ranks on rank {world.rank}"
 
 
 def reference_fit(x, y, build=dense_model, weights=None, **fit_kw):

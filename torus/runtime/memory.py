@@ -81,7 +81,18 @@ def _batches(recvs) -> list:
     return out
 
 
-class HostMemory:
+class _Scaled:
+    """``scale(lo, hi)``: ``buf[lo:hi] *= scale_factor`` by the kernel layer (host or device array alike)."""
+
+    buf: Any
+    scale_factor: float
+
+    def scale(self, lo: int, hi: int) -> None:
+        if self.scale_factor != 1.0 and hi > lo:
+            kernels.scale(self.buf[lo:hi], self.scale_factor)
+
+
+class HostMemory(_Scaled):
     """Numpy ``buf`` (1-D, modified in place); ``src`` (optional, same length and dtype, not overlapping):
     out of place, the input is read from ``src`` (never written) instead of ``buf``'s old contents;
     ``keep`` = ``(lo, hi)``: only that range of ``buf`` is wanted, untouched regions outside it are not
@@ -100,10 +111,6 @@ class HostMemory:
         if self.src is not None:
             for lo, hi in regions:
                 np.copyto(self.buf[lo:hi], self.src[lo:hi])
-
-    def scale(self, lo: int, hi: int) -> None:
-        if self.scale_factor != 1.0 and hi > lo:
-            kernels.scale(self.buf[lo:hi], self.scale_factor)
 
     def recv_target(self, m):
         isz = self.isz
@@ -144,7 +151,7 @@ def copy_untouched(plan, buf, src, keep) -> None:
                 np.copyto(buf[lo:hi], src[lo:hi])
 
 
-class DeviceMemory:
+class DeviceMemory(_Scaled):
     """``buf``: a 1-D contiguous numba device array, modified in place (see the module docstring)."""
 
     def __init__(self, ex, plan, buf, op: str, scale: float):
@@ -159,10 +166,6 @@ class DeviceMemory:
 
     def prefill(self, regions) -> None:
         pass  # the input is in buf already (the caller copied it on the device)
-
-    def scale(self, lo: int, hi: int) -> None:
-        if self.scale_factor != 1.0 and hi > lo:
-            kernels.scale(self.buf[lo:hi], self.scale_factor)
 
     def recv_target(self, m):
         isz = self.isz
