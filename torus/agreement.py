@@ -78,18 +78,24 @@ def finish(pending: list, rank: int, timeout, what: str) -> None:
             "earlier argument error: some rank never made that call; abort the job"))
 
 
-def agree(comm, rank: int, size: int, timeout, what: str, algo: str, op: str, dt, count: int, recvcounts,
-          segment_bytes: int, X: int) -> None:
-    """All-gather this call's signature; raise MismatchError (the same on every rank) if any rank differs or
-    rejected its own arguments, TimeoutError when some rank never joins within ``timeout`` s."""
+def signature(what: str, algo: str, op: str, dt, count: int, recvcounts, segment_bytes: int, X: int) -> np.ndarray:
+    """This call's signature (one int64 per ``SIGNATURE`` field), the row ``agree`` all-gathers. A pure
+    function of the call's shape, so TorusComm keeps it per shape instead of rebuilding it every call."""
     crc = zlib.crc32(np.asarray(recvcounts, np.int64).tobytes()) if recvcounts is not None else 0
-    mine = np.array([COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count, ALGORITHMS.index(algo),
+    return np.array([COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count, ALGORITHMS.index(algo),
                      segment_bytes, X, crc, 0], np.int64)
+
+
+def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.ndarray) -> None:
+    """All-gather this call's signature ``mine``; raise MismatchError (the same on every rank) if any rank
+    differs or rejected its own arguments, TimeoutError when some rank never joins within ``timeout`` s."""
     every = np.empty((size, mine.size), np.int64)
     faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
         f"{what}({algo}) on rank {rank}: no progress for {timeout:g} s in the argument check (the all-gather "
         f"of every rank's call signature): some rank did not call {what}, died or is stuck; the communicator "
         "is unusable now, abort the job"))
+    if every.tobytes() == mine.tobytes() * size:  # the common case in one comparison (an error row differs)
+        return
     failed = np.nonzero(every[:, _ERROR])[0]
     if failed.size:
         whose = "its" if failed.size == 1 else "their"

@@ -149,13 +149,13 @@ def resolve(spec: Collective, rank: int, size: int, sendbuf, recvbuf, op: str, r
         if spec is REDUCE_SCATTER and sendbuf.size != total:
             fail(what, rank, ValueError, f"sendbuf has {sendbuf.size} elements, recvcounts sum to {total}")
         n = sendbuf.size if spec is ALLREDUCE else total if spec is ALLGATHER else counts[rank]
-        on_device = device.is_device(sendbuf)
+        on_device = not isinstance(sendbuf, np.ndarray)  # array() let only numpy or GPU arrays through
         if recvbuf is None:
             shape = sendbuf.shape if spec is ALLREDUCE else (n,)
             recvbuf = device.empty(sendbuf, shape, dt) if on_device else np.empty(shape, dt)
         else:
             recvbuf = array(what, rank, "recvbuf", recvbuf, True)
-            if device.is_device(recvbuf) != on_device:
+            if isinstance(recvbuf, np.ndarray) == on_device:
                 where = ("GPU", "host") if on_device else ("host", "GPU")
                 fail(what, rank, TypeError, f"sendbuf is in {where[0]} memory and recvbuf in {where[1]} "
                                             "memory; pass both on the host or both on the GPU")
@@ -166,7 +166,7 @@ def resolve(spec: Collective, rank: int, size: int, sendbuf, recvbuf, op: str, r
             if device.overlap(sendbuf, recvbuf) if on_device else np.may_share_memory(sendbuf, recvbuf):
                 fail(what, rank, ValueError, "sendbuf and recvbuf overlap without being the same buffer "
                                              "(use MPI.IN_PLACE)")
-    on_device = device.is_device(recvbuf)
+    on_device = not isinstance(recvbuf, np.ndarray)
     flat = (lambda b: device.view(b).reshape(-1)) if on_device else (lambda b: b.reshape(-1))
     recv = flat(recvbuf)
     count = recv.size if spec is ALLREDUCE else total

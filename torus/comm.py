@@ -125,20 +125,15 @@ class TorusComm:
         # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
         self._direct = {"native": self._run_native, "shm": self._run_shm}
         self._plans: dict = {}
-        self._auto: dict = {}
+        self._shapes: dict = {}  # call shape -> _shape(...)
         self._agreeing = False
         self._announcements: list = []  # error reports posted and not yet completed (agreement.py)
 
-    def _algorithm(self, what: str, algorithm: str, nbytes: int, in_place: bool) -> str:
+    def _shape(self, what: str, algorithm: str, op: str, p) -> tuple:
+        """``(algorithm, signature, pre, post)`` of a call shape, kept per shape by ``_call``: choosing costs
+        about a tenth of a small native call, and ``TORUS_ALGO`` is therefore read when a shape is first seen."""
         if algorithm == "auto":
-            # Memoized per (collective, nbytes, placement): the table costs about a tenth of a small native
-            # call. TORUS_ALGO is therefore read when a size is first seen, not on every call.
-            key = (what, nbytes, in_place)
-            algo = self._auto.get(key)
-            if algo is None:
-                if len(self._auto) >= 4096:
-                    self._auto.clear()
-                algo = self._auto[key] = choose(what, nbytes, self.size, self.dims, in_place)
+            algo = choose(what, p.count * p.dtype.itemsize, self.size, self.dims, p.in_place)
         elif algorithm not in ALGORITHMS:
             buffers.fail(what, self.rank, ValueError, f"unknown algorithm {algorithm!r}; expected auto or one "
                                                       f"of {', '.join(ALGORITHMS)}")
@@ -148,7 +143,10 @@ class TorusComm:
             buffers.fail(what, self.rank, ValueError, f"algorithm 'shm' needs every rank on one node; these "
                                                       f"{self.size} ranks are on {self.topology.nodes} nodes "
                                                       "(use ring, hierarchical or torus2d)")
-        return effective(what, algo, self.topology)
+        algo = effective(what, algo, self.topology)
+        mine = agreement.signature(what, algo, op, p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])
+        pre, post = avg_factors(p.dtype, self.size) if op == "avg" else (1.0, 1.0)
+        return algo, mine, pre, post
 
     def _plan(self, what: str, algo: str, counts, itemsize: int):
         """The compiled plan of one call, cached: training repeats the same few shapes every step, and a
@@ -173,13 +171,18 @@ class TorusComm:
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
         """Resolve, choose, agree and run one call; returns what the collective returns."""
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)
-        algo = self._algorithm(spec.name, algorithm, p.count * p.dtype.itemsize, p.in_place)
+        key = (spec.name, algorithm, op, p.dtype, p.count, p.in_place, p.counts and tuple(p.counts))
+        shape = self._shapes.get(key)
+        if shape is None:  # first call of this shape: choose, build the signature (decided once per shape)
+            shape = self._shape(spec.name, algorithm, op, p)
+            if len(self._shapes) >= 4096:
+                self._shapes.clear()
+            self._shapes[key] = shape
+        algo, mine, pre, scale = shape
         if self.check:
             self._agreeing = True
             agreement.finish(self._announcements, self.rank, self._executor.timeout, spec.name)
-            agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, op,
-                            p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])
-        pre, scale = avg_factors(p.dtype, self.size) if op == "avg" else (1.0, 1.0)
+            agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, mine)
         memory = p.memory
         direct = self._direct.get(algo)
         if memory == "device" and (direct is not None or not self._on_gpu(p.count * p.dtype.itemsize)):
