@@ -49,7 +49,7 @@ ALLGATHER = Collective("allgather", "recv", True, False,
                                                                                            displs))
 
 
-@dataclass
+@dataclass(slots=True)
 class Placement:
     """One call, resolved. ``work``: the 1-D buffer the plan (or native call) runs on; ``src``: the input
     still to bring into ``work`` at ``inp`` (None when it is already there); ``lazy``: the host step loop may
@@ -167,8 +167,7 @@ def resolve(spec: Collective, rank: int, size: int, sendbuf, recvbuf, op: str, r
                 fail(what, rank, ValueError, "sendbuf and recvbuf overlap without being the same buffer "
                                              "(use MPI.IN_PLACE)")
     on_device = not isinstance(recvbuf, np.ndarray)
-    flat = (lambda b: device.view(b).reshape(-1)) if on_device else (lambda b: b.reshape(-1))
-    recv = flat(recvbuf)
+    recv = device.view(recvbuf).reshape(-1) if on_device else recvbuf.reshape(-1)
     count = recv.size if spec is ALLREDUCE else total
     displs: Any = None if counts is None else displacements(counts)
     own = slice(0, count) if counts is None else slice(displs[rank], displs[rank] + counts[rank])
@@ -176,7 +175,8 @@ def resolve(spec: Collective, rank: int, size: int, sendbuf, recvbuf, op: str, r
         full_src = recv[own] if spec.input_own else recv
         result = recvbuf.reshape(-1)[own] if spec.output_own else recvbuf
     else:
-        full_src, result = flat(sendbuf), recvbuf
+        full_src = device.view(sendbuf).reshape(-1) if on_device else sendbuf.reshape(-1)
+        result = recvbuf
     return Placement("device" if on_device else "host", dt, count, counts, displs, own, in_place, recv,
                      full_src, result)
 
