@@ -23,7 +23,7 @@ from torus.runtime.executor import Executor
 from torus.runtime.shm import SharedMemory
 from torus.schedules.build import build, effective
 from torus.select import ALGORITHMS, choose
-from torus.topology import Topology, node_indices
+from torus.topology import Topology, node_dims, node_indices
 
 # GPU buffers from this size (bytes) are reduced on the GPU by default (see gpu_reduce, bench/README.md).
 GPU_REDUCE_MIN_BYTES = 16 << 20
@@ -43,7 +43,10 @@ class TorusComm:
         The ranks to use (default ``MPI.COMM_WORLD``). It is duplicated, so torus messages never match the
         caller's.
     dims : (int, int), optional
-        ``(X, Y)`` with ``X * Y == comm.size``; ``None`` lets ``MPI.Compute_dims`` choose.
+        ``(X, Y)`` with ``X * Y == comm.size``. ``None``: one axis along the nodes where they are equal and
+        placed in blocks (rows are the nodes: ``(ranks per node, nodes)``) or round robin (columns are the
+        nodes), so that only ``1/X`` (``1/Y``) of an all-reduce's buffer crosses them
+        (``torus.topology.node_dims``); otherwise, and on one node, ``MPI.Compute_dims``'s squarest grid.
     ranks_per_node : int, optional
         Emulate nodes of this many consecutive ranks for the hierarchical schedule (default: the real nodes,
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
@@ -70,7 +73,7 @@ class TorusComm:
 
     Memory: calls keep their working buffers for the next call (a fresh allocation would cost page faults
     every step), growing only: one step's incoming data (all-reduce: ``count / size`` elements for the ring,
-    ``count / X`` for the 2D torus, ``count / Y`` when ``X`` is 1), a full-size working copy for
+    ``count / X`` for the 2D torus, ``count / Y`` when ``X`` is 1 or its columns run first), a full-size working copy for
     reduce-scatter, pinned host and device mirrors for GPU buffers; :meth:`free_buffers` releases them.
 
     Raises ``ValueError`` when ``dims`` does not multiply to the size. Collective: every rank constructs it.
@@ -81,9 +84,7 @@ class TorusComm:
                  gpu_reduce: bool | None = None, threads: int | str | None = "auto"):
         base = MPI.COMM_WORLD if comm is None else comm
         rank, size = base.Get_rank(), base.Get_size()
-        if dims is None:
-            Y, X = MPI.Compute_dims(size, 2)  # Compute_dims sorts descending; rows are the shorter side
-        else:
+        if dims is not None:
             X, Y = (int(d) for d in dims)
             if X < 1 or Y < 1 or X * Y != size:
                 raise ValueError(f"TorusComm on rank {rank}: dims {X}x{Y} do not multiply to the "
@@ -94,7 +95,7 @@ class TorusComm:
         if timeout is not None and timeout < 0:
             timeout = _env_float("TORUS_TIMEOUT", 600.0)
         self.comm = base.Dup()
-        self.rank, self.size, self.dims = rank, size, (X, Y)
+        self.rank, self.size = rank, size
         self.segment_bytes = seg
         self.check = (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check)
         forced = os.environ.get("TORUS_GPU_REDUCE", "")
@@ -102,12 +103,17 @@ class TorusComm:
             None if forced not in ("0", "1") else forced == "1")
         rpn = ranks_per_node or int(_env_float("TORUS_RANKS_PER_NODE", 0))
         if rpn:
-            self.topology = Topology.emulated(rank, size, (X, Y), rpn)
+            node_of = tuple(r // rpn for r in range(size))
         else:  # a node is the ranks sharing memory, known by its lowest rank
             shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             lowest = shared.allreduce(rank, op=MPI.MIN)
             shared.Free()
-            self.topology = Topology(rank, size, (X, Y), node_indices(self.comm.allgather(lowest)))
+            node_of = node_indices(self.comm.allgather(lowest))
+        if dims is None:  # one axis along the nodes where the placement has one, else the squarest grid
+            Y, X = MPI.Compute_dims(size, 2)  # Compute_dims sorts descending; rows are the shorter side
+            X, Y = node_dims(node_of) or (X, Y)
+        self.dims = (X, Y)
+        self.topology = Topology(rank, size, (X, Y), node_of)
         t = self.topology
         self.coords, self.node, self.nodes = t.coords, t.node, t.nodes
         self.local_rank, self.local_size = t.local_rank, t.local_size
