@@ -148,12 +148,20 @@ class Topology:
         return all(len({self.node_of[r] for r in line}) == 1 for line in lines)
 
     @cached_property
+    def node_axis(self) -> str | None:
+        """The grid axis whose communicators lie within nodes ("row" preferred, "col"), or None: where the
+        2D torus' first phase stays inside the nodes. None on one node."""
+        if self.nodes == 1:
+            return None
+        return "row" if self._inside_nodes("row") else "col" if self._inside_nodes("col") else None
+
+    @cached_property
     def columns_first(self) -> bool:
         """True when the 2D-torus all-reduce should run along the columns first: the columns lie within
         nodes and the rows do not (nodes dealt out round robin). Its first and last phases then stay
         inside the nodes and only ``1/Y`` of the buffer crosses them, as in the rows-first order when the
         rows are the nodes."""
-        return self.nodes > 1 and not self._inside_nodes("row") and self._inside_nodes("col")
+        return self.node_axis == "col"
 
     @cached_property
     def node_grid(self) -> bool:
