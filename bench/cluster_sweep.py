@@ -9,8 +9,10 @@ namespaces on a bridge, ``tc tbf`` on every host link, TCP between hosts), runs
 (hydra ``-hosts h1:L,h2:L``), and writes ``bench/results/cluster_<layout>_<rate>.json`` (torus-bench's JSON,
 with the cluster's hosts, ranks per host and link rate under ``environment.cluster``) and one text file,
 ``bench/results/cluster_sweep.txt``: each run's table and, per size, every algorithm's time over the best
-one (``auto``'s ratio is the figure of merit of torus/select.py's multi-node rule). The load average before
-and after each run is in both.
+one (``auto``'s ratio is the figure of merit of torus/select.py's multi-node rule). On the ``--sim``
+layouts (default 2x2) ``torus-sim --fit`` then ``--validate`` run on the same links
+(``cluster_sim_fit_<layout>_<rate>.json``, ``cluster_sim_validate_...``). The load average is recorded
+with each run.
 
 The default rates, 1 and 4 Gbit/s: at 1 Gbit/s every algorithm is bound by the link (64 MiB takes half a
 second and more); 4 Gbit/s is about what these 2 cores drive through veth and TCP at all (unshaped, MPI's own
@@ -46,7 +48,7 @@ def ratios(rows: list[dict]) -> list[str]:
     """Per size: every algorithm's time over the fastest algorithm's (out of place / in place)."""
     lines = []
     algos = list(dict.fromkeys(r["algorithm"] for r in rows))
-    lines.append("# time / best time per size (out of place / in place); best in brackets")
+    lines.append("# time / best time per size (out of place / in place); best: the fastest per placement")
     lines.append(f"#{'size':>10} " + " ".join(f"{a:>13}" for a in algos) + "  best")
     for size in sorted({r["size"] for r in rows}):
         mine = {r["algorithm"]: r for r in rows if r["size"] == size}
@@ -62,13 +64,26 @@ def ratios(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _run(tag: str, cmd: list[str], limit: int) -> tuple[int, str]:
+    print(f"+ [{tag}] {' '.join(cmd)}", flush=True)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=limit,
+                              check=False)
+        rc, log = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, log = 124, f"TIMEOUT after {limit} s\n{e.stdout or ''}"
+    print(log, flush=True)
+    return rc, log
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench/cluster_sweep.py", description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default=",".join(RATES), help="comma-separated tc rates per host link")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated HOSTSxRANKS_PER_HOST")
     ap.add_argument("--iters", type=int, default=5, help="timed iterations per size (torus-bench -n)")
+    ap.add_argument("--sim", default="2x2", help="layouts where torus-sim --fit and --validate run too")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results")
-    ap.add_argument("--limit", type=int, default=240, help="seconds each torus-bench run may take")
+    ap.add_argument("--limit", type=int, default=180, help="seconds each torus-bench run may take")
     args = ap.parse_args(argv)
     why = unavailable()
     if why:
@@ -76,7 +91,7 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bench = str(Path(sys.executable).parent / "torus-bench")
+    bench, sim = (str(Path(sys.executable).parent / name) for name in ("torus-bench", "torus-sim"))
     text, failed, t_start = [], 0, time.monotonic()
     for rate in args.rates.split(","):
         for layout in args.layouts.split(","):
@@ -84,26 +99,27 @@ def main(argv=None) -> int:
             tag = f"{hosts}x{ppn}_{rate}"
             json_path = out / f"cluster_{tag}.json"
             with Cluster(hosts, rate, "torusb", 15) as cluster:
-                cmd = cluster.mpiexec(ppn) + ["-n", str(hosts * ppn), bench, "allreduce", "-b", "64K", "-e", "64M",
-                                              "-f", "4", "-n", str(args.iters), "-w", "1", "--algo", ALGOS,
-                                              "--json", str(json_path)]
+                launch = cluster.mpiexec(ppn) + ["-n", str(hosts * ppn)]
                 load = os.getloadavg()
-                print(f"+ [{tag}] {' '.join(cmd)}", flush=True)
                 t0 = time.monotonic()
-                try:
-                    done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                                          timeout=args.limit, check=False)
-                    rc, log = done.returncode, done.stdout + done.stderr
-                except subprocess.TimeoutExpired as e:
-                    rc, log = 124, f"TIMEOUT after {args.limit} s\n{e.stdout or ''}"
-            took = time.monotonic() - t0
-            print(log, flush=True)
-            text += [f"## {hosts} hosts x {ppn} ranks, links {rate}: exit status {rc}, {took:.0f} s, load average "
-                     f"{load[0]:.2f} before, {os.getloadavg()[0]:.2f} after", log.rstrip()]
-            if rc == 0 and json_path.exists():
-                text += ratios(json.loads(json_path.read_text())["results"])
-            else:
-                failed += 1
+                rc, log = _run(tag, launch + [bench, "allreduce", "-b", "64K", "-e", "64M", "-f", "4", "-n",
+                                              str(args.iters), "-w", "1", "--algo", ALGOS, "--json",
+                                              str(json_path)], args.limit)
+                took = time.monotonic() - t0
+                text += [f"## {hosts} hosts x {ppn} ranks, links {rate}: exit status {rc}, {took:.0f} s, load "
+                         f"average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after", log.rstrip()]
+                if rc == 0 and json_path.exists():
+                    text += ratios(json.loads(json_path.read_text())["results"])
+                else:
+                    failed += 1
+                if layout in args.sim.split(","):  # the cost model on the same links: fit, then validate
+                    fit = out / f"cluster_sim_fit_{tag}.json"
+                    for mode, extra in (("--fit", []), ("--validate", ["--params", str(fit)])):
+                        dest = fit if mode == "--fit" else out / f"cluster_sim_validate_{tag}.json"
+                        rc, log = _run(tag, launch + [sim, mode, *extra, "--json", str(dest)], args.limit)
+                        text += [f"## torus-sim {mode}, {hosts} hosts x {ppn} ranks, links {rate}: exit status "
+                                 f"{rc}, load average {os.getloadavg()[0]:.2f}", log.rstrip()]
+                        failed += rc != 0
             text.append("")
     (out / "cluster_sweep.txt").write_text("\n".join(text) + "\n")
     print(f"# wrote {out / 'cluster_sweep.txt'}; {failed} run(s) failed; {time.monotonic() - t_start:.0f} s")

@@ -184,7 +184,7 @@ class TorusComm:
         hierarchical fallback of ``effective``: on real nodes (not ``ranks_per_node``'s emulated ones) the
         multi-node rule with ``link_gbits``, else the one-node table. Local."""
         across = None
-        if self._across:
+        if self._across and self._link_gbits is not None:  # set whenever _across is (measured if not told)
             t = self.topology
             across = Nodes(t.nodes, t.max_local, t.node_axis, self._link_gbits)
         return choose(collective, nbytes, self.size, self.dims, in_place, across)
