@@ -76,10 +76,10 @@ class Nodes:
 
 
 # Across nodes MPI's own all-reduce while the buffer crosses one link in less than this (seconds at the link's
-# measured speed), i.e. while latency, not the link, is what the call waits for: measured on the emulated
-# cluster, 64 KiB at 1 Gbit/s (0.5 ms) went faster natively, 1 MiB at 4 Gbit/s (2 ms) through our schedules
-# (bench/results/cluster_sweep.txt).
-NATIVE_LINK_SECONDS = 1e-3
+# measured speed), i.e. while latency, not the link, is what the call waits for: on the emulated cluster
+# (bench/results/cluster_sweep.txt) the 2D torus beat it at 2 hosts x 2 ranks from 64 KiB at 1 Gbit/s
+# (0.5 ms on the link) and from 256 KiB at 4 Gbit/s (0.5 ms); at 64 KiB and 4 Gbit/s (0.13 ms) they tied.
+NATIVE_LINK_SECONDS = 0.25e-3
 # One rank per node: every message crosses a link and the ring and the torus send the same bytes; the ring
 # measured as fast or faster at 2 and 4 nodes, the torus' fewer steps (2(X-1)+2(Y-1) against 2(N-1)) are for
 # more nodes than that.
