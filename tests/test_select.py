@@ -1,7 +1,7 @@
 """algorithm="auto": the table's rows, the grid rule and the TORUS_ALGO override."""
 import pytest
 
-from torus.select import ALGORITHMS, TABLE, choose
+from torus.select import ALGORITHMS, NATIVE_LINK_SECONDS, RING_MAX_NODES, TABLE, Nodes, choose
 
 
 def _expected(nbytes, size, in_place):
@@ -51,3 +51,51 @@ def test_bad_override(monkeypatch):
     monkeypatch.setenv("TORUS_ALGO", "butterfly")
     with pytest.raises(ValueError, match="reduce_scatter: TORUS_ALGO='butterfly'"):
         choose("reduce_scatter", 4, 4, (2, 2))
+
+
+# ---------------------------------------------------------------- across nodes (select.across_nodes)
+def _expected_across(nbytes, dims, nodes):
+    # The rule read independently: the seconds the buffer takes on one link decide MPI's own call; then
+    # where the nodes' ranks sit in the grid.
+    if nbytes * 8 / (nodes.link_gbits * 1e9) <= NATIVE_LINK_SECONDS:
+        return "native"
+    line = dims[0] == 1 or dims[1] == 1
+    if nodes.ranks_per_node == 1:
+        return "ring" if line or nodes.nodes <= RING_MAX_NODES else "torus2d"
+    return "hierarchical" if line or nodes.node_axis is None else "torus2d"
+
+
+ACROSS = [(2, 2, (2, 2), "row"), (2, 2, (2, 2), "col"), (2, 2, (2, 2), None), (2, 2, (1, 4), "row"),
+          (2, 1, (1, 2), None), (4, 1, (2, 2), None), (3, 1, (1, 3), None), (4, 2, (2, 4), "row"),
+          (3, 2, (3, 2), "col"), (2, 4, (2, 4), None), (6, 1, (2, 3), None), (8, 1, (1, 8), None)]
+
+
+@pytest.mark.parametrize("nodes,per_node,dims,axis", ACROSS)
+@pytest.mark.parametrize("gbits", [0.5, 1.0, 4.0, 100.0])
+@pytest.mark.parametrize("nbytes", [0, 4, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 64 << 20])
+def test_across_nodes(monkeypatch, nodes, per_node, dims, axis, gbits, nbytes):
+    monkeypatch.delenv("TORUS_ALGO", raising=False)
+    across = Nodes(nodes, per_node, axis, gbits)
+    want = _expected_across(nbytes, dims, across)
+    for collective in ("allreduce", "reduce_scatter", "allgather"):
+        for in_place in (False, True):
+            assert choose(collective, nbytes, nodes * per_node, dims, in_place, across) == want
+
+
+def test_across_nodes_native_threshold_grows_with_the_link(monkeypatch):
+    monkeypatch.delenv("TORUS_ALGO", raising=False)
+
+    def largest_native(gbits):
+        across = Nodes(2, 2, "row", gbits)
+        return max(n for n in range(0, 64 << 20, 4096) if choose("allreduce", n, 4, (2, 2), False, across)
+                   == "native") if choose("allreduce", 0, 4, (2, 2), False, across) == "native" else -1
+
+    sizes = [largest_native(g) for g in (1.0, 10.0)]
+    assert sizes[0] >= 0 and sizes[1] > sizes[0]
+    assert choose("allreduce", 64 << 20, 4, (2, 2), False, Nodes(2, 2, "row", 1.0)) == "torus2d"
+
+
+def test_across_nodes_override(monkeypatch):
+    monkeypatch.setenv("TORUS_ALGO", "ring")
+    assert choose("allreduce", 64 << 20, 4, (2, 2), False, Nodes(2, 2, "row", 1.0)) == "ring"
+

@@ -164,6 +164,20 @@ def test_itemsizes_match_numpy():
     assert np.dtype("float32").itemsize == ITEMSIZE["float32"]
 
 
+def test_fit_link_ignores_a_burst_below_the_rate():
+    from torus.sim.fit import fit_alpha_beta, fit_link
+    # a shaped link: messages up to a 1 MiB bucket pass at 10x the rate, larger ones at the rate past it
+    alpha, beta, bucket = 30e-6, 4e-9, 1 << 20
+    sizes = [4 ** k for k in range(1, 13)]
+    points = [(b, alpha + (b * beta / 10 if b <= bucket else bucket * beta / 10 + (b - bucket) * beta))
+              for b in sizes]
+    a, b = fit_link(points)
+    assert a == points[0][1]
+    assert b == pytest.approx((points[-1][1] - points[0][1]) / (sizes[-1] - sizes[0]), rel=1e-12)
+    assert b == pytest.approx(beta, rel=0.1)  # within the bucket's share of the largest message
+    assert fit_alpha_beta(points)[1] < 0.8 * beta  # what a least-squares fit across sizes made of it
+
+
 def test_fit_alpha_beta_recovers_line():
     from torus.sim.fit import fit_alpha_beta
     sizes = [4 ** k for k in range(1, 12)]

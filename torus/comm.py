@@ -16,17 +16,22 @@ import os
 
 from mpi4py import MPI
 
-from torus import agreement, buffers, kernels
+from torus import agreement, buffers, kernels, link
 from torus.ops import avg_factors
 from torus.runtime import memory
 from torus.runtime.executor import Executor
 from torus.runtime.shm import SharedMemory
 from torus.schedules.build import build, effective
-from torus.select import ALGORITHMS, choose
-from torus.topology import Topology, node_indices
+from torus.select import ALGORITHMS, Nodes, choose
+from torus.topology import Topology, node_dims, node_indices
 
 # GPU buffers from this size (bytes) are reduced on the GPU by default (see gpu_reduce, bench/README.md).
 GPU_REDUCE_MIN_BYTES = 16 << 20
+SEGMENT_BYTES = 1 << 20
+# Across nodes: MPICH's UCX over TCP moved 1 MiB and 512 KiB messages at a fraction of the link's rate when
+# many were in flight (a handshake per message, likely its rendezvous protocol) and 256 KiB ones at the
+# link's rate (bench/README.md, "Across hosts").
+CROSS_NODE_SEGMENT_BYTES = 256 << 10
 
 
 def _env_float(name: str, default):
@@ -43,12 +48,16 @@ class TorusComm:
         The ranks to use (default ``MPI.COMM_WORLD``). It is duplicated, so torus messages never match the
         caller's.
     dims : (int, int), optional
-        ``(X, Y)`` with ``X * Y == comm.size``; ``None`` lets ``MPI.Compute_dims`` choose.
+        ``(X, Y)`` with ``X * Y == comm.size``. ``None``: one axis along the nodes where they are equal and
+        placed in blocks (rows are the nodes: ``(ranks per node, nodes)``) or round robin (columns are the
+        nodes), so that only ``1/X`` (``1/Y``) of an all-reduce's buffer crosses them
+        (``torus.topology.node_dims``); otherwise, and on one node, ``MPI.Compute_dims``'s squarest grid.
     ranks_per_node : int, optional
         Emulate nodes of this many consecutive ranks for the hierarchical schedule (default: the real nodes,
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
     segment_bytes : int
-        Pipelining unit in bytes (default 1 MiB, ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The
+        Pipelining unit in bytes (default 1 MiB on one node, 256 KiB across nodes: ``SEGMENT_BYTES``,
+        ``CROSS_NODE_SEGMENT_BYTES``; ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The
         shared-memory transport moves this many bytes per rank and step, through a window of about
         ``2 * segment_bytes`` per rank set up at the first ``algorithm="shm"`` call (collective).
     check : bool
@@ -63,6 +72,11 @@ class TorusComm:
         copied back. None (default; ``TORUS_GPU_REDUCE=1``/``0`` force it): True from ``GPU_REDUCE_MIN_BYTES``
         (16 MiB) up, where the two measured level (bench/README.md, "On a GPU"). Same results to the bit
         either way, and the same messages, so ranks may differ.
+    link_gbits : float, optional
+        Gbit/s of one node's link (one direction), for ``algorithm="auto"`` across nodes
+        (``TORUS_LINK_GBITS``); default: measured here, once, by a short exchange between the leaders of
+        nodes 0 and 1 (torus/link.py; tens of milliseconds at 1 Gbit/s). Unused on one node and on emulated
+        nodes (``ranks_per_node``), where ``auto`` keeps the one-node table.
     threads : "auto", int or None
         OpenMP threads of the host kernels, a process-wide setting (``torus.kernels.set_num_threads``).
         "auto" (default): the CPUs divided by the ranks on this node, unless ``TORUS_NUM_THREADS`` is set; an
@@ -70,44 +84,54 @@ class TorusComm:
 
     Memory: calls keep their working buffers for the next call (a fresh allocation would cost page faults
     every step), growing only: one step's incoming data (all-reduce: ``count / size`` elements for the ring,
-    ``count / X`` for the 2D torus, ``count / Y`` when ``X`` is 1), a full-size working copy for
-    reduce-scatter, pinned host and device mirrors for GPU buffers; :meth:`free_buffers` releases them.
+    ``count / X`` for the 2D torus, ``count / Y`` when ``X`` is 1 or its columns run first), a full-size
+    working copy for reduce-scatter, pinned host and device mirrors for GPU buffers; :meth:`free_buffers` releases them.
 
     Raises ``ValueError`` when ``dims`` does not multiply to the size. Collective: every rank constructs it.
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, dims=None, *, ranks_per_node: int | None = None,
                  segment_bytes: int | None = None, check: bool | None = None, timeout: float | None = -1.0,
-                 gpu_reduce: bool | None = None, threads: int | str | None = "auto"):
+                 gpu_reduce: bool | None = None, threads: int | str | None = "auto",
+                 link_gbits: float | None = None):
         base = MPI.COMM_WORLD if comm is None else comm
         rank, size = base.Get_rank(), base.Get_size()
-        if dims is None:
-            Y, X = MPI.Compute_dims(size, 2)  # Compute_dims sorts descending; rows are the shorter side
-        else:
+        if dims is not None:
             X, Y = (int(d) for d in dims)
             if X < 1 or Y < 1 or X * Y != size:
                 raise ValueError(f"TorusComm on rank {rank}: dims {X}x{Y} do not multiply to the "
                                  f"communicator size {size}")
-        seg = int(segment_bytes or _env_float("TORUS_SEGMENT_BYTES", 1 << 20))
-        if not 1 <= seg < 1 << 31:
+        seg = int(segment_bytes or _env_float("TORUS_SEGMENT_BYTES", 0))  # 0: the default, once nodes are known
+        if seg and not 1 <= seg < 1 << 31:
             raise ValueError(f"TorusComm on rank {rank}: segment_bytes {seg} outside [1, 2**31)")
         if timeout is not None and timeout < 0:
             timeout = _env_float("TORUS_TIMEOUT", 600.0)
         self.comm = base.Dup()
-        self.rank, self.size, self.dims = rank, size, (X, Y)
-        self.segment_bytes = seg
+        self.rank, self.size = rank, size
         self.check = (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check)
         forced = os.environ.get("TORUS_GPU_REDUCE", "")
         self.gpu_reduce = bool(gpu_reduce) if gpu_reduce is not None else (
             None if forced not in ("0", "1") else forced == "1")
         rpn = ranks_per_node or int(_env_float("TORUS_RANKS_PER_NODE", 0))
         if rpn:
-            self.topology = Topology.emulated(rank, size, (X, Y), rpn)
+            node_of = tuple(r // rpn for r in range(size))
         else:  # a node is the ranks sharing memory, known by its lowest rank
             shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             lowest = shared.allreduce(rank, op=MPI.MIN)
             shared.Free()
-            self.topology = Topology(rank, size, (X, Y), node_indices(self.comm.allgather(lowest)))
+            node_of = node_indices(self.comm.allgather(lowest))
+        if dims is None:  # one axis along the real nodes where their placement has one, else the squarest grid
+            Y, X = MPI.Compute_dims(size, 2)  # Compute_dims sorts descending; rows are the shorter side
+            X, Y = (not rpn and node_dims(node_of)) or (X, Y)
+        self.dims = (X, Y)
+        self.topology = Topology(rank, size, (X, Y), node_of)
+        seg = seg or (CROSS_NODE_SEGMENT_BYTES if self.topology.nodes > 1 else SEGMENT_BYTES)
+        self.segment_bytes = seg
+        try:
+            self._link_gbits = link.told(link_gbits)
+        except ValueError as e:
+            raise ValueError(f"TorusComm on rank {rank}: {e}") from None
+        self._across = not rpn and self.topology.nodes > 1  # real nodes: auto's multi-node rule applies
         t = self.topology
         self.coords, self.node, self.nodes = t.coords, t.node, t.nodes
         self.local_rank, self.local_size = t.local_rank, t.local_size
@@ -121,6 +145,11 @@ class TorusComm:
                  "local": self.local_comm, "cross": self.cross_comm}
         self._executor = Executor(comms, rank, seg, timeout or None)
         self._shm = SharedMemory(self.comm, rank, size, seg, timeout or None)
+        if self._across and self._link_gbits is None:
+            # here, where every rank is known to take part, rather than at the first auto call, where a rank
+            # that failed its local checks would leave the others waiting in the measurement
+            t = self.topology
+            self._link_gbits = link.measure(self.comm, rank, (0, t.node_of.index(1)), timeout or None)
         # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
         # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
         self._direct = {"native": self._run_native, "shm": self._run_shm}
@@ -133,7 +162,7 @@ class TorusComm:
         """``(algorithm, signature, pre, post)`` of a call shape, kept per shape by ``_call``: choosing costs
         about a tenth of a small native call, and ``TORUS_ALGO`` is therefore read when a shape is first seen."""
         if algorithm == "auto":
-            algo = choose(what, p.count * p.dtype.itemsize, self.size, self.dims, p.in_place)
+            algo = self.auto_choice(what, p.count * p.dtype.itemsize, p.in_place)
         elif algorithm not in ALGORITHMS:
             buffers.fail(what, self.rank, ValueError, f"unknown algorithm {algorithm!r}; expected auto or one "
                                                       f"of {', '.join(ALGORITHMS)}")
@@ -147,6 +176,22 @@ class TorusComm:
         mine = agreement.signature(what, algo, op, p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])
         pre, post = avg_factors(p.dtype, self.size) if op == "avg" else (1.0, 1.0)
         return algo, mine, pre, post
+
+    def auto_choice(self, collective: str, nbytes: int, in_place: bool = False) -> str:
+        """What ``algorithm="auto"`` runs for ``collective`` on ``nbytes`` bytes (torus/select.py), before the
+        hierarchical fallback of ``effective``: on real nodes (not ``ranks_per_node``'s emulated ones) the
+        multi-node rule with ``link_gbits``, else the one-node table. Local."""
+        across = None
+        if self._across and self._link_gbits is not None:  # set whenever _across is (measured if not told)
+            t = self.topology
+            across = Nodes(t.nodes, t.max_local, t.node_axis, self._link_gbits)
+        return choose(collective, nbytes, self.size, self.dims, in_place, across)
+
+    @property
+    def link_gbits(self) -> float | None:
+        """Gbit/s of the link between nodes as ``auto`` uses it: told, or measured when this TorusComm was
+        made; None on one node or emulated nodes when not told."""
+        return self._link_gbits
 
     def _plan(self, what: str, algo: str, counts, itemsize: int):
         """The compiled plan of one call, cached: training repeats the same few shapes every step, and a

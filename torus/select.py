@@ -12,6 +12,7 @@ on your cluster and set ``TORUS_ALGO`` (or pass ``algorithm=``) to override the 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 # "shm" (torus/runtime/shm.py: one node, shared memory) is selectable explicitly and through TORUS_ALGO; the
 # table below does not choose it until it has been measured against the others on a quiet machine.
@@ -35,11 +36,13 @@ TABLE = (
 )
 
 
-def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False) -> str:
+def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False,
+           across: Nodes | None = None) -> str:
     """The algorithm for one call of ``collective`` on ``nbytes`` bytes over ``size`` ranks in grid ``dims``,
-    in place (``sendbuf=MPI.IN_PLACE``) or not.
+    in place (``sendbuf=MPI.IN_PLACE``) or not; ``across``: the nodes when there are several (then
+    ``across_nodes`` decides, not the table).
 
-    ``TORUS_ALGO`` (one of ALGORITHMS) overrides the table. Raises ValueError for an unknown TORUS_ALGO."""
+    ``TORUS_ALGO`` (one of ALGORITHMS) overrides both. Raises ValueError for an unknown TORUS_ALGO."""
     forced = os.environ.get("TORUS_ALGO", "")
     if forced and forced != "auto":
         if forced not in ALGORITHMS:
@@ -48,6 +51,8 @@ def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False
         return forced
     if size == 1:
         return "native"
+    if across is not None:
+        return across_nodes(nbytes, dims, across)
     placement = "in_place" if in_place else "out_of_place"
     for max_size, max_nbytes, where, algo in TABLE:
         if ((max_size is None or size <= max_size) and (max_nbytes is None or nbytes <= max_nbytes)
@@ -55,3 +60,44 @@ def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False
             # A 1 x N or N x 1 grid is a ring: say so rather than pay for the grid bookkeeping.
             return "ring" if algo == "torus2d" and 1 in dims else algo
     raise AssertionError("the table's last row matches every call")
+
+
+# ---------------------------------------------------------------------------------------------- across nodes
+
+@dataclass(frozen=True)
+class Nodes:
+    """What ``across_nodes`` knows of the placement: ``nodes`` (more than one), ``ranks_per_node`` (on the
+    largest node), ``node_axis`` ("row", "col" or None: the grid axis that lies within nodes,
+    ``Topology.node_axis``) and ``link_gbits``, one node link's speed in Gbit/s (torus/link.py)."""
+    nodes: int
+    ranks_per_node: int
+    node_axis: str | None
+    link_gbits: float
+
+
+# Across nodes MPI's own all-reduce while the buffer crosses one link in less than this (seconds at the link's
+# measured speed), i.e. while latency, not the link, is what the call waits for: on the emulated cluster
+# (bench/results/cluster_sweep.txt) the 2D torus beat it at 2 hosts x 2 ranks from 64 KiB at 1 Gbit/s
+# (0.5 ms on the link) and from 256 KiB at 4 Gbit/s (0.5 ms); at 64 KiB and 4 Gbit/s (0.13 ms) they tied.
+NATIVE_LINK_SECONDS = 0.25e-3
+# One rank per node: every message crosses a link and the ring and the torus send the same bytes; the ring
+# measured as fast or faster at 2 and 4 nodes, the torus' fewer steps (2(X-1)+2(Y-1) against 2(N-1)) are for
+# more nodes than that.
+RING_MAX_NODES = 4
+
+
+def across_nodes(nbytes: int, dims, nodes: Nodes) -> str:
+    """The multi-node rule (all three collectives): MPI's own call while the buffer would cross a link in
+    under ``NATIVE_LINK_SECONDS``; then, with several ranks per node, the 2D torus where one of its axes lies
+    within the nodes (its cross-node phase moves ``2(C-1)/C`` of the buffer per node, split over the node's
+    ranks) and the hierarchical all-reduce where none does or the grid is a line (only the leaders cross,
+    ``2(C-1)/C`` of it, against the ring's ``2(N-1)/N``); with one rank per node, where every message crosses
+    and the ring and the torus send the same bytes, the ring up to ``RING_MAX_NODES`` nodes (or when the
+    grid is a line) and the torus above, for its fewer steps. Where the table above was measured on one node,
+    this rule's constants come from the emulated cluster (tests/cluster, bench/cluster_sweep.py)."""
+    link_bytes_per_s = nodes.link_gbits * 1e9 / 8
+    if nbytes <= NATIVE_LINK_SECONDS * link_bytes_per_s:
+        return "native"
+    if nodes.ranks_per_node > 1:
+        return "torus2d" if nodes.node_axis is not None and 1 not in dims else "hierarchical"
+    return "ring" if 1 in dims or nodes.nodes <= RING_MAX_NODES else "torus2d"

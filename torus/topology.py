@@ -23,6 +23,26 @@ def default_dims(size: int) -> tuple:
     return X, size // X
 
 
+def node_dims(node_of) -> tuple | None:
+    """The grid that keeps one axis inside the nodes, or None when there is no such obvious grid.
+
+    ``node_of``: every rank's node index (see :class:`Topology`). Nodes of ``L`` consecutive ranks (hydra's
+    ``-hosts h1:L,h2:L``, a hostfile with ``slots``): ``(L, C)``, rows are the nodes. ``C`` nodes dealt out
+    round robin (rank ``r`` on node ``r % C``: hydra's ``-hosts h1,h2`` with more ranks than hosts):
+    ``(C, L)``, columns are the nodes. Either way the 2D torus moves ``2(C-1)/C * M`` through each node's
+    link, as the hierarchical all-reduce does; a square grid whose rows cross nodes moves up to ``L`` times
+    that. None for one node, one rank per node, unequal nodes or any other placement."""
+    size, nodes = len(node_of), max(node_of, default=0) + 1
+    L = size // nodes
+    if nodes == 1 or L == 1 or L * nodes != size:
+        return None
+    if all(n == r // L for r, n in enumerate(node_of)):
+        return L, nodes
+    if all(n == r % nodes for r, n in enumerate(node_of)):
+        return nodes, L
+    return None
+
+
 def node_indices(keys) -> tuple:
     """Any per-rank node key (a host name, the node's lowest rank) -> node index by order of first use."""
     index: dict = {}
@@ -119,6 +139,29 @@ class Topology:
         x, y = self.coords_of(r)
         return {"row": (y, r), "col": (x, r), "local": (self.node_of[r], r),
                 "cross": (self.local_rank_of(r), r)}[name]
+
+    def _inside_nodes(self, name: str) -> bool:
+        """True when every ``name`` ("row" or "col") communicator lies within one node."""
+        X, Y = self.dims
+        lines = ([range(y * X, (y + 1) * X) for y in range(Y)] if name == "row"
+                 else [range(x, self.size, X) for x in range(X)])
+        return all(len({self.node_of[r] for r in line}) == 1 for line in lines)
+
+    @cached_property
+    def node_axis(self) -> str | None:
+        """The grid axis whose communicators lie within nodes ("row" preferred, "col"), or None: where the
+        2D torus' first phase stays inside the nodes. None on one node."""
+        if self.nodes == 1:
+            return None
+        return "row" if self._inside_nodes("row") else "col" if self._inside_nodes("col") else None
+
+    @cached_property
+    def columns_first(self) -> bool:
+        """True when the 2D-torus all-reduce should run along the columns first: the columns lie within
+        nodes and the rows do not (nodes dealt out round robin). Its first and last phases then stay
+        inside the nodes and only ``1/Y`` of the buffer crosses them, as in the rows-first order when the
+        rows are the nodes."""
+        return self.node_axis == "col"
 
     @cached_property
     def node_grid(self) -> bool:

@@ -124,7 +124,8 @@ class TorusStrategy(tf.distribute.Strategy):
     Parameters
     ----------
     dims : (int, int), optional
-        The X x Y grid for ``TorusComm`` (default: ``MPI.Compute_dims``).
+        The X x Y grid for ``TorusComm`` (default: TorusComm's, one axis along equal nodes, else
+        ``MPI.Compute_dims``).
     algorithm : str
         "auto", "ring", "hierarchical", "torus2d" or "native".
     compression : str

@@ -229,8 +229,11 @@ class Cluster:
         ``0..ppn-1`` on host 1, and so on. Append ``-n N`` (at most ``hosts * ppn``) and the program."""
         exe = mpiexec or shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
         hosts = ",".join(f"{a}:{ppn}" for a in self.addresses)
+        # TORUS_CLUSTER_*: what torus-bench records of the emulation (torus/bench/report.py); torus reads no
+        # other meaning into them
         return [exe, "-launcher", "ssh", "-launcher-exec", str(self.nslaunch), "-iface", self.bridge,
-                "-hosts", hosts, "-genv", "UCX_TLS", "tcp,self"]
+                "-hosts", hosts, "-genv", "UCX_TLS", "tcp,self", "-genv", "TORUS_CLUSTER_HOSTS", str(self.hosts),
+                "-genv", "TORUS_CLUSTER_PPN", str(ppn), "-genv", "TORUS_CLUSTER_RATE", self.rate or "unshaped"]
 
 
 def from_state(name: str = "torusc") -> Cluster:

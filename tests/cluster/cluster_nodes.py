@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 import torus
+from torus import select
 
 WORLD = MPI.COMM_WORLD
 LAYOUT = os.environ.get("TORUS_CLUSTER_LAYOUT", "")
@@ -31,3 +33,28 @@ def test_nodes_and_ranks_per_node_follow_the_hosts():
     assert tc.node == host_of[netns[rank]] == rank // ppn
     assert tc.local_rank == rank % ppn
     tc.Free()
+
+
+def test_default_grid_follows_the_hosts_and_auto_measures_the_link():
+    # the default grid puts one axis along the hosts (rows of PPN ranks); TorusComm measures the link once,
+    # every rank gets the same figure, and auto's choice is the multi-node rule's on that figure
+    hosts, ppn = (int(v) for v in LAYOUT.split("x"))
+    os.environ.pop("TORUS_LINK_GBITS", None)
+    tc = torus.TorusComm()
+    if ppn > 1:
+        assert tc.dims == (ppn, hosts) and tc.topology.node_axis == "row"
+    x = np.random.default_rng(tc.rank).standard_normal(1 << 18).astype(np.float32)
+    got = tc.allreduce(x, algorithm="auto")
+    want = np.empty_like(x)
+    WORLD.Allreduce(x, want)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    gbits = tc.link_gbits
+    assert gbits is not None and gbits > 0
+    assert WORLD.allgather(gbits) == [gbits] * WORLD.Get_size()
+    across = select.Nodes(hosts, ppn, tc.topology.node_axis, gbits)
+    for nbytes in (4, 1 << 16, 1 << 20, 1 << 26):
+        assert tc.auto_choice("allreduce", nbytes) == select.across_nodes(nbytes, tc.dims, across)
+    tc.Free()
+    told = torus.TorusComm(link_gbits=3.5)
+    assert told.link_gbits == 3.5
+    told.Free()

@@ -15,8 +15,6 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from torus.select import choose
-
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 PLACEMENTS = ("out_of_place", "in_place")
 # Rank r's input element i is a small integer of period PERIOD in i, so sums over any number of ranks up
@@ -247,7 +245,7 @@ def sweep(tc, collective: str, sizes, algorithms, *, dtype, op: str = "sum", ite
         for algorithm in algorithms:
             resolved = algorithm
             if algorithm == "auto":  # the pick may differ by placement: "out-of-place/in-place" then
-                picks = [choose(collective, size, tc.size, tc.dims, p == "in_place") for p in PLACEMENTS]
+                picks = [tc.auto_choice(collective, size, p == "in_place") for p in PLACEMENTS]
                 resolved = picks[0] if picks[0] == picks[1] else "/".join(picks)
             row = {"collective": collective, "size": size, "count": count, "dtype": str(dtype),
                    "op": op if collective != "allgather" else "none", "algorithm": algorithm,

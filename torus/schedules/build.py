@@ -1,7 +1,8 @@
 """One plan builder for TorusComm and the simulator: ``build(collective, algorithm, topology, counts)``.
 
 ``counts``: the element count (all-reduce) or the per-rank block counts (reduce-scatter, all-gather).
-``algorithm`` is one of ring, torus2d, hierarchical (native has no plan); pass it through ``effective``
+``algorithm`` is one of ring, torus2d, hierarchical (native has no plan); the 2D-torus all-reduce runs its
+node-local axis first (``Topology.columns_first``). Pass the algorithm through ``effective``
 first, which is where the hierarchical reduce-scatter and all-gather fall back to the ring on nodes that are
 not equal runs of consecutive ranks (their blocks follow the rank order).
 """
@@ -27,6 +28,8 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
         if algorithm == "ring":
             return ring.allreduce("world", t.rank, t.size, counts)
         if algorithm == "torus2d":
+            if t.columns_first:  # the same schedule on the transposed grid: its rows are our columns
+                return torus2d.allreduce(y, x, Y, X, counts, row="col", col="row")
             return torus2d.allreduce(x, y, X, Y, counts)
         return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
     displs = displacements(counts)

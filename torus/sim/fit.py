@@ -15,10 +15,18 @@ its constants under-predicted 4-rank times several-fold. Fitting at K (``--fit``
 ``-n K``) keeps the schedules' structure -- steps, bytes, reductions per rank -- as the thing being tested.
 On a cluster with one rank per core the two fits agree; the ping-pong (``pingpong``) stays for reference.
 
+Across nodes (``TorusComm`` sees more than one): α and β are fitted within the nodes (each node's ranks
+exchanging along their own ring at once) and ``inter_alpha``/``inter_beta`` on the node leaders' ring, one
+flow per node link with the other ranks idle, as the hierarchical schedule loads the links (``fit_link``:
+latency from the smallest message, rate from the largest). The model prices
+every message on its own (no link shared by several flows), so where several ranks of a node send across at
+once (the 2D torus on a node grid, the ring with nodes dealt round robin) it predicts less than the link
+allows; see bench/README.md for the measured margin.
+
 ``--validate`` (``mpiexec -n K``, with ``--params`` from a ``--fit`` at the same K): for each algorithm and
 size, the median over iterations of the slowest rank's ``TorusComm.allreduce`` time, next to ``simulate`` with
 the fitted parameters (once with the fitted α, once with ``alpha_executor``) and the executor's segment size,
-all ranks on one node. Both write rank 0's numbers to ``--json``.
+on TorusComm's nodes (``layout_of``). Both write rank 0's numbers to ``--json``.
 """
 from __future__ import annotations
 
@@ -110,6 +118,15 @@ def fit_alpha_beta(points) -> tuple[float, float]:
     return max(float(alpha), 0.0), max(float(beta), 0.0)
 
 
+def fit_link(points) -> tuple[float, float]:
+    """``(α, β)`` of a link between nodes: α the smallest message's time, β the largest message's time past
+    α per byte. Not least squares: a shaped link (``tc tbf``, a switch's buffers) passes messages below its
+    burst size faster than its rate, and a fit across sizes then takes that burst for bandwidth (on the
+    emulated cluster at 2 Gbit/s: 0.37 GB/s fitted against the 0.25 the link allows)."""
+    (b0, t0), (b1, t1) = min(points), max(points)
+    return max(float(t0), 0.0), max(float(t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
+
+
 def reduce_rate(sizes=REDUCE_SIZES, reps: int = 10, comm=None) -> tuple[float, list]:
     """γ (s per byte reduced) as the least-squares slope of reduce_into time over bytes; and the points.
 
@@ -138,12 +155,31 @@ def measure_allreduce(tc, algorithm: str, nbytes: int, iters: int = 20) -> float
     return float(np.median(times))
 
 
+def inter_node_exchange(tc, sizes=PINGPONG_SIZES, reps: int = 50) -> list[tuple[int, float]]:
+    """``exchange`` among the node leaders (local rank 0) of ``tc``, one flow per node link, the other ranks
+    idle: the link as the hierarchical schedule's middle step uses it. Collective over ``tc``; every rank
+    gets the list."""
+    leaders = tc.comm.Split(0 if tc.local_rank == 0 else MPI.UNDEFINED, tc.rank)
+    # the fastest exchange: what the link allows, least disturbed by the other jobs on the CPUs it shares
+    points = exchange(leaders, sizes, reps, stat=np.min) if leaders != MPI.COMM_NULL else None
+    if leaders != MPI.COMM_NULL:
+        leaders.Free()
+    return tc.comm.bcast(points, root=0)
+
+
+def layout_of(tc) -> Layout:
+    """The simulator's layout of ``tc``: its grid, and its nodes when they are equal runs of consecutive
+    ranks (the only nodes a Layout describes); otherwise every rank on one node."""
+    X, Y = tc.dims
+    return Layout(X, Y, tc.local_size) if tc.topology.node_grid else Layout(X, Y, tc.size)
+
+
 def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical"),
              iters: int = 20) -> list[dict]:
     """Measured all-reduce times on ``tc`` (a TorusComm) and, for each ``{name: Cost}``, the simulator's
-    prediction ``predicted_<name>`` (all ranks on one node). Collective."""
+    prediction ``predicted_<name>`` on ``tc``'s nodes (``layout_of``). Collective."""
     X, Y = tc.dims
-    layout = Layout(X, Y, tc.size)
+    layout = layout_of(tc)
     rows = []
     for algo in algorithms:
         for n in sizes:
@@ -170,25 +206,39 @@ def main(args, cost: Cost) -> int:
     kernels.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # as TorusComm on one node
     load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     if args.fit:
-        points = exchange(comm)
-        gamma, reduce_pts = reduce_rate(comm=comm)
         tc = TorusComm(check=False)
+        # within a node: every node's ranks exchange along their own ring at once (all ranks when one node)
+        points = exchange(tc.local_comm if tc.nodes > 1 and tc.local_size > 1 else comm)
+        inter = inter_node_exchange(tc) if tc.nodes > 1 else None
+        gamma, reduce_pts = reduce_rate(comm=comm)
         alpha_exec = executor_alpha(tc)
+        nodes, per_node = tc.nodes, tc.local_size
         tc.Free()
         if rank == 0:
             alpha, beta = fit_alpha_beta(points)
-            print(f"# {size} ranks, every rank exchanging with its ring neighbours at once; {load}")
-            print(f"{'bytes':>9} {'step us':>11} {'fit us':>9}")
-            for n, t in points:
-                print(f"{format_size(n):>9} {t * 1e6:>11.2f} {(alpha + beta * n) * 1e6:>9.2f}")
+            fitted: dict = {"alpha": alpha, "beta": beta, "gamma": gamma, "alpha_executor": alpha_exec,
+                            "ranks": size, "nodes": nodes, "ranks_per_node": per_node, "load": load,
+                            "exchange": points, "reduce": reduce_pts}
+            levels = [("within a node" if inter else "", points, alpha, beta)]
+            if inter:
+                ia, ib = fit_link(inter)
+                fitted.update(inter_alpha=ia, inter_beta=ib, inter_exchange=inter)
+                levels.append(("between nodes (leaders only)", inter, ia, ib))
+            print(f"# {size} ranks on {nodes} node(s), every rank exchanging with its ring neighbours at once; "
+                  f"{load}")
+            for label, pts, a, b in levels:
+                print(f"{'bytes':>9} {'step us':>11} {'fit us':>9}  {label}")
+                for n, t in pts:
+                    print(f"{format_size(n):>9} {t * 1e6:>11.2f} {(a + b * n) * 1e6:>9.2f}")
             print(f"alpha = {alpha:.3e} s   beta = {beta:.3e} s/B ({1e-9 / beta if beta else float('inf'):.2f}"
                   f" GB/s)   gamma = {gamma:.3e} s/B ({1e-9 / gamma if gamma else float('inf'):.2f} GB/s)   "
                   f"alpha_executor = {alpha_exec:.3e} s per TorusComm ring step")
+            if inter:
+                print(f"inter_alpha = {ia:.3e} s   inter_beta = {ib:.3e} s/B "
+                      f"({1e-9 / ib if ib else float('inf'):.3f} GB/s)")
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"alpha": alpha, "beta": beta, "gamma": gamma, "alpha_executor": alpha_exec,
-                               "ranks": size, "load": load, "exchange": points, "reduce": reduce_pts}, f,
-                              indent=1)
+                    json.dump(fitted, f, indent=1)
         return 0
     tc = TorusComm(check=False)
     costs = {"fit": Cost(**{**cost.__dict__, "segment_bytes": tc.segment_bytes})}
@@ -202,7 +252,8 @@ def main(args, cost: Cost) -> int:
             costs["executor"] = Cost(**{**costs["fit"].__dict__, "alpha": params["alpha_executor"]})
     rows = validate(tc, costs)
     if rank == 0:
-        print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {load}; predicted with {costs}")
+        print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {layout_of(tc).nodes} node(s) in the model, {load}; "
+              f"predicted with {costs}")
         print(f"{'algorithm':>12} {'size':>6} {'measured ms':>12}"
               + "".join(f" {'pred ' + k + ' ms':>18} {'ratio':>6}" for k in costs))
         for r in rows:
