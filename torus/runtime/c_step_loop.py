@@ -11,6 +11,7 @@ all-reduce (bench/README.md compares the two loops).
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -21,24 +22,26 @@ from torus.runtime.compile import TAG_MOD
 
 
 def _load():
+    """(module, None) when the C loop is used, else (None, why not)."""
     if os.environ.get("TORUS_C_LOOP", "1") == "0":
-        return None
-    if not MPI.Get_library_version().startswith("MPICH"):
-        return None  # importing it would load MPICH's libmpi beside another MPI
+        return None, "TORUS_C_LOOP=0"
     try:
-        from torus._ext import _step_loop
-    except ImportError:  # built without MPI headers
-        return None
-    return _step_loop if _step_loop.BYTE_HANDLE == _handle(MPI.BYTE) else None
+        with warnings.catch_warnings():
+            # Cython's import check on mpi4py's types: smaller than compiled in raises ValueError, larger
+            # warns (RuntimeWarning); both mean a build against another MPI's handle types.
+            warnings.simplefilter("error", RuntimeWarning)
+            from torus._ext import _step_loop  # type: ignore[attr-defined]  # compiled, no stubs
+    except ImportError as exc:  # not built (no MPI headers), or its libmpi is not loadable here
+        return None, f"torus._ext._step_loop does not import: {exc}"
+    except (ValueError, RuntimeWarning) as exc:
+        return None, f"torus._ext._step_loop was compiled against another MPI: {exc}"
+    if not _step_loop.matches():
+        return None, ("torus._ext._step_loop was compiled against another MPI than mpi4py's "
+                      f"({MPI.Get_library_version().splitlines()[0]})")
+    return _step_loop, None
 
 
-def _handle(obj) -> int:
-    """mpi4py's handle as the C int MPICH uses (mpi4py reports it as an unsigned 64-bit value)."""
-    h = obj.handle
-    return h - (1 << 64) if h >= 1 << 63 else h
-
-
-_step_loop = _load()
+_step_loop, WHY_NOT = _load()
 AVAILABLE = _step_loop is not None
 
 
@@ -47,14 +50,15 @@ def table(steps, itemsize: int, tail) -> tuple:
     plan, with the (step, message) of every row for error messages."""
     rows, msgs, step_lo, retire, retire_lo, prefill, prefill_lo, scales = [], [], [0], [], [0], [], [0], []
     send_row: dict = {}
+    comms: dict = {}  # communicator name -> (index, communicator)
     for si, st in enumerate(steps):
         for m in st.recvs:
-            rows.append((0, _handle(m.comm), m.peer, m.lo, m.hi, max(m.tmp_lo, 0), int(m.tmp_lo >= 0), -1,
+            rows.append((0, _comm(comms, m), m.peer, m.lo, m.hi, max(m.tmp_lo, 0), int(m.tmp_lo >= 0), -1,
                          int(m.final), int(m.fresh)))
             msgs.append((si, m))
         for m in st.sends:
             send_row[m.sid] = len(rows)
-            rows.append((1, _handle(m.comm), m.peer, m.lo, m.hi, 0, 0, m.sid, 0, int(m.fresh)))
+            rows.append((1, _comm(comms, m), m.peer, m.lo, m.hi, 0, 0, m.sid, 0, int(m.fresh)))
             msgs.append((si, m))
         step_lo.append(len(rows))
         retire.extend(st.retire)
@@ -67,7 +71,12 @@ def table(steps, itemsize: int, tail) -> tuple:
     return (np.array(rows, i64).reshape(-1, 10) * to_bytes, np.array(step_lo, i64), np.array(retire, i64),
             np.array(retire_lo, i64), np.array(tail, i64), np.array([send_row[k] for k in range(len(send_row))], i64),
             np.array(prefill, i64).reshape(-1, 2) * itemsize, np.array(prefill_lo, i64),
-            np.array(scales, i64).reshape(-1, 2), tuple(msgs))
+            np.array(scales, i64).reshape(-1, 2), tuple(c for _, c in comms.values()), tuple(msgs))
+
+
+def _comm(comms: dict, m) -> int:
+    """The table's index of ``m``'s communicator (each distinct one once, in order of first use)."""
+    return comms.setdefault(m.name, (len(comms), m.comm))[0]
 
 
 def run(ex, what: str, plan, buf: np.ndarray, op_code: int, scale: float, src, tmp) -> None:
