@@ -80,9 +80,17 @@ def step_loop():
     ext.include_dirs += [*flags[0], mpi4py.get_include()]
     ext.library_dirs += flags[1]
     ext.libraries += flags[2]
-    ext.optional = True
     return [ext]
 
 
-setup(ext_modules=cythonize([kernel("_reduce"), kernel("_convert"), kernel("_shm"), *step_loop()],
-                            compiler_directives={"language_level": "3"}))
+def optional(exts):
+    """``exts`` marked optional: a compile or link error skips them instead of failing the build (set after
+    cythonize, which does not carry the flag over)."""
+    for ext in exts:
+        ext.optional = True
+    return exts
+
+
+DIRECTIVES = {"language_level": "3"}
+setup(ext_modules=[*cythonize([kernel("_reduce"), kernel("_convert"), kernel("_shm")], compiler_directives=DIRECTIVES),
+                   *optional(cythonize(step_loop(), compiler_directives=DIRECTIVES))])
