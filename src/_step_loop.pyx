@@ -67,6 +67,24 @@ def matches():
             and (<MPI.Comm>MPI.COMM_WORLD).ob_mpi == MPI_COMM_WORLD)
 
 
+cdef class Communicators:
+    """The MPI handles of a plan's communicators (mpi4py ``Comm`` objects), read once when the plan's table
+    is built rather than on every run; it holds the communicators, so the handles stay valid while it lives."""
+    cdef readonly tuple comms
+    cdef MPI_Comm* handles
+
+    def __cinit__(self, tuple comms not None):
+        self.comms = comms
+        self.handles = <MPI_Comm*>malloc((len(comms) + 1) * sizeof(MPI_Comm))
+        if self.handles == NULL:
+            raise MemoryError("torus executor: no memory for the communicator table")
+        for j, c in enumerate(comms):
+            self.handles[j] = (<MPI.Comm?>c).ob_mpi
+
+    def __dealloc__(self):
+        free(self.handles)
+
+
 cdef inline double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -102,11 +120,11 @@ cdef int _wait(MPI_Request* req, double timeout, int* mpi_rc) noexcept nogil:
 def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::1] retire,
         const int64_t[::1] retire_lo, const int64_t[::1] tail, const int64_t[::1] send_row,
         const int64_t[:, ::1] prefill, const int64_t[::1] prefill_lo, const int64_t[:, ::1] scales,
-        tuple comms not None, cnp.ndarray buf not None, cnp.ndarray src, cnp.ndarray tmp, int kind, int op,
-        double scale, int nthreads, double timeout, int tag_mod, scale_step):
+        Communicators comms not None, cnp.ndarray buf not None, cnp.ndarray src, cnp.ndarray tmp, int kind,
+        int op, double scale, int nthreads, double timeout, int tag_mod, scale_step):
     """Run the plan; returns ``(status, step, row, mpi_rc)``: status 0 done, 1 timed out waiting on
-    message ``row`` in ``step``, 2 an MPI call failed with ``mpi_rc``. ``comms``: the mpi4py communicators
-    the table's COMM column indexes. A message's tag is its step index modulo ``tag_mod``
+    message ``row`` in ``step``, 2 an MPI call failed with ``mpi_rc``. ``comms``: the communicators the
+    table's COMM column indexes. A message's tag is its step index modulo ``tag_mod``
     (torus.runtime.compile.TAG_MOD). ``scale_step(lo, hi)`` (Python, called with the GIL) scales elements
     [lo, hi) of buf for the plan's scale steps."""
     cdef char* b = <char*>cnp.PyArray_DATA(buf)
@@ -120,18 +138,14 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
     for si in range(nsteps):
         if step_lo[si + 1] - step_lo[si] > maxr:
             maxr = step_lo[si + 1] - step_lo[si]
-    cdef Py_ssize_t ncomms = len(comms)
-    cdef MPI_Comm* handle = <MPI_Comm*>malloc((ncomms + 1) * sizeof(MPI_Comm))
+    cdef MPI_Comm* handle = comms.handles
     cdef MPI_Request* sreq = <MPI_Request*>malloc((nsends + 1) * sizeof(MPI_Request))
     cdef MPI_Request* rreq = <MPI_Request*>malloc(maxr * sizeof(MPI_Request))
-    if handle == NULL or sreq == NULL or rreq == NULL:
-        free(handle)
+    if sreq == NULL or rreq == NULL:
         free(sreq)
         free(rreq)
         raise MemoryError("torus executor: no memory for the request tables")
     try:
-        for j in range(ncomms):
-            handle[j] = (<MPI.Comm?>comms[j]).ob_mpi
         with nogil:
             for si in range(nsteps):
                 for j in range(retire_lo[si], retire_lo[si + 1]):
@@ -194,7 +208,6 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
                         i = send_row[tail[j]]
                         break
     finally:
-        free(handle)
         free(sreq)
         free(rreq)
     return status, si, i if status == 1 else -1, mpi_rc

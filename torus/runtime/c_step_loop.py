@@ -71,7 +71,8 @@ def table(steps, itemsize: int, tail) -> tuple:
     return (np.array(rows, i64).reshape(-1, 10) * to_bytes, np.array(step_lo, i64), np.array(retire, i64),
             np.array(retire_lo, i64), np.array(tail, i64), np.array([send_row[k] for k in range(len(send_row))], i64),
             np.array(prefill, i64).reshape(-1, 2) * itemsize, np.array(prefill_lo, i64),
-            np.array(scales, i64).reshape(-1, 2), tuple(c for _, c in comms.values()), tuple(msgs))
+            np.array(scales, i64).reshape(-1, 2), _step_loop.Communicators(tuple(c for _, c in comms.values())),
+            tuple(msgs))
 
 
 def _comm(comms: dict, m) -> int:
