@@ -16,27 +16,16 @@ import os
 
 from mpi4py import MPI
 
-from torus import agreement, buffers, kernels, link
+from torus import agreement, buffers, kernels, link, options
 from torus.ops import avg_factors
 from torus.runtime import memory
 from torus.runtime.executor import Executor
 from torus.runtime.shm import SharedMemory
 from torus.schedules.build import build, effective
 from torus.select import ALGORITHMS, Nodes, choose
-from torus.topology import Topology, node_dims, node_indices
 
 # GPU buffers from this size (bytes) are reduced on the GPU by default (see gpu_reduce, bench/README.md).
 GPU_REDUCE_MIN_BYTES = 16 << 20
-SEGMENT_BYTES = 1 << 20
-# Across nodes: MPICH's UCX over TCP moved 1 MiB and 512 KiB messages at a fraction of the link's rate when
-# many were in flight (a handshake per message, likely its rendezvous protocol) and 256 KiB ones at the
-# link's rate (bench/README.md, "Across hosts").
-CROSS_NODE_SEGMENT_BYTES = 256 << 10
-
-
-def _env_float(name: str, default):
-    value = os.environ.get(name, "")
-    return float(value) if value else default
 
 
 class TorusComm:
@@ -56,7 +45,7 @@ class TorusComm:
         Emulate nodes of this many consecutive ranks for the hierarchical schedule (default: the real nodes,
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
     segment_bytes : int
-        Pipelining unit in bytes (default 1 MiB on one node, 256 KiB across nodes: ``SEGMENT_BYTES``,
+        Pipelining unit in bytes (default 1 MiB on one node, 256 KiB across nodes: ``torus.options.SEGMENT_BYTES``,
         ``CROSS_NODE_SEGMENT_BYTES``; ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The
         shared-memory transport moves this many bytes per rank and step, through a window of about
         ``2 * segment_bytes`` per rank set up at the first ``algorithm="shm"`` call (collective).
@@ -96,43 +85,12 @@ class TorusComm:
                  link_gbits: float | None = None):
         base = MPI.COMM_WORLD if comm is None else comm
         rank, size = base.Get_rank(), base.Get_size()
-        if dims is not None:
-            X, Y = (int(d) for d in dims)
-            if X < 1 or Y < 1 or X * Y != size:
-                raise ValueError(f"TorusComm on rank {rank}: dims {X}x{Y} do not multiply to the "
-                                 f"communicator size {size}")
-        seg = int(segment_bytes or _env_float("TORUS_SEGMENT_BYTES", 0))  # 0: the default, once nodes are known
-        if seg and not 1 <= seg < 1 << 31:
-            raise ValueError(f"TorusComm on rank {rank}: segment_bytes {seg} outside [1, 2**31)")
-        if timeout is not None and timeout < 0:
-            timeout = _env_float("TORUS_TIMEOUT", 600.0)
+        o = options.resolve(rank, size, dims, segment_bytes, check, timeout, gpu_reduce, link_gbits,
+                            ranks_per_node)
         self.comm = base.Dup()
-        self.rank, self.size = rank, size
-        self.check = (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check)
-        forced = os.environ.get("TORUS_GPU_REDUCE", "")
-        self.gpu_reduce = bool(gpu_reduce) if gpu_reduce is not None else (
-            None if forced not in ("0", "1") else forced == "1")
-        rpn = ranks_per_node or int(_env_float("TORUS_RANKS_PER_NODE", 0))
-        if rpn:
-            node_of = tuple(r // rpn for r in range(size))
-        else:  # a node is the ranks sharing memory, known by its lowest rank
-            shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-            lowest = shared.allreduce(rank, op=MPI.MIN)
-            shared.Free()
-            node_of = node_indices(self.comm.allgather(lowest))
-        if dims is None:  # one axis along the real nodes where their placement has one, else the squarest grid
-            Y, X = MPI.Compute_dims(size, 2)  # Compute_dims sorts descending; rows are the shorter side
-            X, Y = (not rpn and node_dims(node_of)) or (X, Y)
-        self.dims = (X, Y)
-        self.topology = Topology(rank, size, (X, Y), node_of)
-        seg = seg or (CROSS_NODE_SEGMENT_BYTES if self.topology.nodes > 1 else SEGMENT_BYTES)
-        self.segment_bytes = seg
-        try:
-            self._link_gbits = link.told(link_gbits)
-        except ValueError as e:
-            raise ValueError(f"TorusComm on rank {rank}: {e}") from None
-        self._across = not rpn and self.topology.nodes > 1  # real nodes: auto's multi-node rule applies
-        t = self.topology
+        self.rank, self.size, self.check, self.gpu_reduce = rank, size, o.check, o.gpu_reduce
+        self.topology = t = options.discover(self.comm, o)
+        self.dims, self.segment_bytes = t.dims, o.segment_for(t)
         self.coords, self.node, self.nodes = t.coords, t.node, t.nodes
         self.local_rank, self.local_size = t.local_rank, t.local_size
         self.row_comm, self.col_comm, self.local_comm, self.cross_comm = (
@@ -143,13 +101,14 @@ class TorusComm:
             kernels.set_num_threads(int(threads))
         comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
                  "local": self.local_comm, "cross": self.cross_comm}
-        self._executor = Executor(comms, rank, seg, timeout or None)
-        self._shm = SharedMemory(self.comm, rank, size, seg, timeout or None)
+        self._executor = Executor(comms, rank, self.segment_bytes, o.timeout)
+        self._shm = SharedMemory(self.comm, rank, size, self.segment_bytes, o.timeout)
+        self._across = not o.ranks_per_node and t.nodes > 1  # real nodes: auto's multi-node rule applies
+        self._link_gbits = o.link_gbits
         if self._across and self._link_gbits is None:
             # here, where every rank is known to take part, rather than at the first auto call, where a rank
             # that failed its local checks would leave the others waiting in the measurement
-            t = self.topology
-            self._link_gbits = link.measure(self.comm, rank, (0, t.node_of.index(1)), timeout or None)
+            self._link_gbits = link.measure(self.comm, rank, (0, t.node_of.index(1)), o.timeout)
         # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
         # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
         self._direct = {"native": self._run_native, "shm": self._run_shm}

@@ -1,0 +1,87 @@
+"""TorusComm's settings, resolved once per rank: its arguments, their ``TORUS_*`` environment defaults, and the
+node layout the grid, the segment size and ``auto`` depend on.
+
+Everything here is checked on the calling rank before any message (ValueError naming the rank), except
+``discover``, which is collective (every rank of ``comm`` calls it).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from torus import link
+from torus.topology import Topology, node_dims, node_indices
+
+SEGMENT_BYTES = 1 << 20
+# Across nodes: MPICH's UCX over TCP moved 1 MiB and 512 KiB messages at a fraction of the link's rate when
+# many were in flight (a handshake per message, likely its rendezvous protocol) and 256 KiB ones at the
+# link's rate (bench/README.md, "Across hosts").
+CROSS_NODE_SEGMENT_BYTES = 256 << 10
+
+
+def env_float(name: str, default):
+    value = os.environ.get(name, "")
+    return float(value) if value else default
+
+
+@dataclass(frozen=True)
+class Options:
+    dims: tuple | None  # (X, Y) as given, checked against the size; None: chosen by ``discover``
+    segment_bytes: int  # 0: the default for the node layout (``segment_for``)
+    check: bool
+    timeout: float | None  # None waits forever
+    gpu_reduce: bool | None
+    link_gbits: float | None  # told; None: measured across real nodes
+    ranks_per_node: int  # 0: the real nodes
+
+    def segment_for(self, topology: Topology) -> int:
+        if self.segment_bytes:
+            return self.segment_bytes
+        return CROSS_NODE_SEGMENT_BYTES if topology.nodes > 1 else SEGMENT_BYTES
+
+
+def resolve(rank: int, size: int, dims, segment_bytes, check, timeout, gpu_reduce, link_gbits,
+            ranks_per_node) -> Options:
+    """The arguments of ``TorusComm(...)`` with their environment defaults (see its docstring)."""
+    if dims is not None:
+        X, Y = (int(d) for d in dims)
+        if X < 1 or Y < 1 or X * Y != size:
+            raise ValueError(f"TorusComm on rank {rank}: dims {X}x{Y} do not multiply to the communicator "
+                             f"size {size}")
+        dims = (X, Y)
+    seg = int(segment_bytes or env_float("TORUS_SEGMENT_BYTES", 0))
+    if seg and not 1 <= seg < 1 << 31:
+        raise ValueError(f"TorusComm on rank {rank}: segment_bytes {seg} outside [1, 2**31)")
+    if timeout is not None and timeout < 0:
+        timeout = env_float("TORUS_TIMEOUT", 600.0)
+    forced = os.environ.get("TORUS_GPU_REDUCE", "")
+    if gpu_reduce is None and forced in ("0", "1"):
+        gpu_reduce = forced == "1"
+    try:
+        told = link.told(link_gbits)
+    except ValueError as e:
+        raise ValueError(f"TorusComm on rank {rank}: {e}") from None
+    return Options(dims, seg, (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check),
+                   timeout or None, None if gpu_reduce is None else bool(gpu_reduce), told,
+                   int(ranks_per_node or env_float("TORUS_RANKS_PER_NODE", 0)))
+
+
+def discover(comm: MPI.Intracomm, options: Options) -> Topology:
+    """This rank's Topology: the nodes (emulated by ``ranks_per_node``, else the ranks sharing memory, each
+    node known by its lowest rank) and the grid (as given; else one axis along equal real nodes where their
+    placement has one, ``topology.node_dims``, else ``MPI.Compute_dims``'s squarest). Collective."""
+    rank, size, rpn = comm.Get_rank(), comm.Get_size(), options.ranks_per_node
+    if rpn:
+        node_of = tuple(r // rpn for r in range(size))
+    else:
+        shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        lowest = shared.allreduce(rank, op=MPI.MIN)
+        shared.Free()
+        node_of = node_indices(comm.allgather(lowest))
+    dims = options.dims
+    if dims is None:
+        Y, X = MPI.Compute_dims(size, 2)  # Compute_dims sorts descending; rows are the shorter side
+        dims = (not rpn and node_dims(node_of)) or (X, Y)
+    return Topology(rank, size, dims, node_of)
