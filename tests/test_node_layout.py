@@ -5,12 +5,10 @@ numpy, and the bytes that cross nodes against the closed form ``2(C-1)/C * M`` p
 hierarchical all-reduce moves; a grid whose first phase crossed nodes would move ``L`` times that)."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
-from tests.test_sim_replay_matches_executor import _Recording, _Transport
+from tests.test_sim_replay_matches_executor import _Recording, _Transport, run_ranks
 from torus.schedules import torus2d
 from torus.schedules.build import build
 from torus.topology import Topology, default_dims, node_dims
@@ -61,25 +59,14 @@ def _run_allreduce(dims, node_of, count, builder=None):
     size = len(node_of)
     t = _Transport()
     data = [np.random.default_rng(r).standard_normal(count) for r in range(size)]
-    bufs, runs, errors = [d.copy() for d in data], [], []
+    bufs, runs = [d.copy() for d in data], []
     for r in range(size):
         topo = Topology(r, size, dims, node_of)
         ex = _Recording({n: t.comm(topo, n) for n in ("world", "row", "col", "local", "cross")}, r, 64, None)
         ex.c_loop, ex.log = False, []
         runs.append((ex, ex.compile(builder(topo, count), 8)))
 
-    def body(r):
-        try:
-            runs[r][0].run("allreduce", runs[r][1], bufs[r], "sum", 1.0)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append((r, e))
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not errors, errors
+    run_ranks(size, lambda r: runs[r][0].run("allreduce", runs[r][1], bufs[r], "sum", 1.0))
     crossing = [0] * (max(node_of) + 1)
     for r, events in t.log.items():
         for kind, _, peer, nbytes, _ in events:

@@ -96,7 +96,7 @@ def _execute(algorithm, collective, layout, count, seg, data):
     waits as [(send keys)], per-rank CompiledPlan, buffers)."""
     t = _Transport()
     N = layout.N
-    plans, bufs, errors = {}, {}, []
+    plans, bufs = {}, {}
     for r in range(N):
         topo = layout.topology(r)
         ex = _Recording({n: t.comm(topo, n) for n in ("world", "row", "col", "local", "cross")}, r, seg, None)
@@ -104,21 +104,28 @@ def _execute(algorithm, collective, layout, count, seg, data):
         plans[r] = (ex, ex.compile(plan(algorithm, collective, r, layout, count), ITEMSIZE))
         bufs[r] = data[r].copy()
 
-    def body(r):
+    run_ranks(N, lambda r: plans[r][0].run(collective, plans[r][1], bufs[r], "sum", 1.0))
+    return t.log, {r: ex.log for r, (ex, _) in plans.items()}, {r: cp for r, (_, cp) in plans.items()}, bufs
+
+
+def run_ranks(size: int, body, timeout: float = 60.0) -> None:
+    """Run ``body(rank)`` for every rank on its own thread (the in-process transport's ranks); fail with every
+    rank's exception, or when a rank is still running after ``timeout`` s."""
+    errors: list = []
+
+    def guarded(r):
         try:
-            ex, cp = plans[r]
-            ex.run(collective, cp, bufs[r], "sum", 1.0)
+            body(r)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append((r, e))
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(N)]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(size)]
     for th in threads:
         th.start()
     for th in threads:
-        th.join(60)
+        th.join(timeout)
     assert not errors, errors
     assert not any(th.is_alive() for th in threads)
-    return t.log, {r: ex.log for r, (ex, _) in plans.items()}, {r: cp for r, (_, cp) in plans.items()}, bufs
 
 
 def _sim_view(compiled, layout):
