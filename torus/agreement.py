@@ -33,6 +33,11 @@ SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes",
 _ERROR = len(SIGNATURE) - 1  # the field that says "this rank rejected its own arguments"
 
 
+class PeerRejected(MismatchError):
+    """Some rank rejected its own arguments to this call (raised on the others; that rank raised its
+    ValueError/TypeError)."""
+
+
 def ranks_text(ranks: list) -> str:
     """``[0, 1, 2, 5]`` -> ``'ranks 0-2, 5'``: short at any scale."""
     runs, lo = [], ranks[0]
@@ -55,8 +60,10 @@ def reports_errors(method):
         try:
             return method(self, *args, **kwargs)
         except (ValueError, TypeError):
-            if self.check and not self._agreeing:
-                self._announcements.append(announce(self.comm, self.size, what))
+            if not self._agreeing:
+                if self.check:
+                    self._announcements.append(announce(self.comm, self.size, what))
+                self._shm.announce_error(self.check)  # for peers whose call runs unchecked over shm
             raise
     return wrapper
 
@@ -78,6 +85,16 @@ def finish(pending: list, rank: int, timeout, what: str) -> None:
             "earlier argument error: some rank never made that call; abort the job"))
 
 
+def join(comm, rank: int, size: int, timeout, what: str) -> None:
+    """Complete, from a rank that learnt of it another way (the shared-memory header), the all-gather that a
+    rank posted with its argument error (``announce``), so that every rank's next all-gather matches."""
+    mine = np.full(len(SIGNATURE), -1, np.int64)
+    every = np.empty((size, mine.size), np.int64)
+    faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
+        f"{what} on rank {rank}: no progress for {timeout:g} s collecting a peer's argument-error report; "
+        "abort the job"))
+
+
 def agree(comm, rank: int, size: int, timeout, what: str, algo: str, op: str, dt, count: int, recvcounts,
           segment_bytes: int, X: int) -> None:
     """All-gather this call's signature; raise MismatchError (the same on every rank) if any rank differs or
@@ -93,7 +110,7 @@ def agree(comm, rank: int, size: int, timeout, what: str, algo: str, op: str, dt
     failed = np.nonzero(every[:, _ERROR])[0]
     if failed.size:
         whose = "its" if failed.size == 1 else "their"
-        raise MismatchError(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
+        raise PeerRejected(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
                             f"{whose} own arguments to this call (see the error there); no data was moved")
     bad = np.nonzero((every != every[0]).any(axis=0))[0]
     if bad.size == 0:

@@ -174,11 +174,17 @@ class TorusComm:
         """Resolve, choose, agree and run one call; returns what the collective returns."""
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)
         algo = self._algorithm(spec.name, algorithm, p.count * p.dtype.itemsize, p.in_place)
-        if self.check:
-            self._agreeing = True
+        self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
+        # Over shared memory the signature rides in every step's header (torus/runtime/shm.py), so once the
+        # window is open the separate all-gather is skipped (what that misses: torus/agreement.py).
+        if self.check and not (algo == "shm" and self._shm.is_open):
             agreement.finish(self._announcements, self.rank, self._executor.timeout, spec.name)
-            agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, op,
-                            p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])
+            try:
+                agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, op,
+                                p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])
+            except agreement.PeerRejected:
+                self._shm.skip_step(True, "")  # that rank spent a shared-memory step on its report
+                raise
         pre, scale = avg_factors(p.dtype, self.size) if op == "avg" else (1.0, 1.0)
         memory = p.memory
         direct = self._direct.get(algo)
@@ -211,7 +217,7 @@ class TorusComm:
 
     def _run_shm(self, name: str, spec, p, out, op: str, scale: float) -> None:
         src = p.src if p.lazy else p.work[p.own] if spec.input_own else p.work
-        self._shm.run(name, spec.name, src, out if spec.output_own else p.work, p.counts, op, scale)
+        self._shm.run(name, spec.name, src, out if spec.output_own else p.work, p.counts, op, scale, self.check)
 
     def _on_gpu(self, nbytes: int) -> bool:
         """Reduce device arrays on the GPU (staged per message) rather than on the host (``gpu_reduce``)."""

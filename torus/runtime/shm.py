@@ -47,12 +47,13 @@ the out-of-place three-operand kernel to reduce the first two ranks in one pass,
 """
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
-from torus import faults, kernels
+from torus import agreement, faults, kernels
 from torus._ext import _reduce, _shm  # type: ignore[attr-defined]  # compiled, no stubs
 from torus.errors import MismatchError, TorusError
 from torus.errors import TimeoutError as TorusTimeout
@@ -61,6 +62,12 @@ from torus.partition import chunks, displacements
 
 _MODE = {"allreduce": _shm.ALLREDUCE, "reduce_scatter": _shm.REDUCE_SCATTER, "allgather": _shm.ALLGATHER}
 _PAGE = 4096
+# Data bytes per rank and step (TORUS_SHM_SEGMENT_BYTES overrides): fewer steps mean fewer flag round
+# trips, while a step's data still fits in a core's L2 cache (bench/README.md, "Shared memory").
+SEGMENT_BYTES = 1 << 20
+# Polls of a flag before a wait starts yielding its core, when every rank of the node has a core of its own
+# (about 10-40 us on current x86); with more ranks than cores a wait yields at once.
+SPIN_POLLS = 2000
 
 
 class SharedMemory:
@@ -72,6 +79,7 @@ class SharedMemory:
         self.comm, self.rank, self.size, self.timeout = comm, rank, size, timeout
         line = 64 * size
         self.slot_bytes = -(-segment_bytes // line) * line
+        self.spin = SPIN_POLLS if size <= len(os.sched_getaffinity(0)) else 0
         self._win: MPI.Win | None = None
         self._bases = np.zeros(0, np.int64)
         self._seq = 0
@@ -115,15 +123,42 @@ class SharedMemory:
             hit = self._chunks[count] = (np.array(c, np.int64), np.array(d, np.int64))
         return hit
 
+    @property
+    def is_open(self) -> bool:
+        """The window is set up (every rank's is: set-up is collective)."""
+        return self._win is not None
+
+    def announce_error(self, check: bool) -> None:
+        """This rank rejected its own arguments to a call the others may run over shared memory: its header
+        at the next step says so (they raise agreement.PeerRejected). That step is then spent on every rank
+        (``skip_step``); with ``check`` off nothing synchronises the ranks after it, so the transport refuses
+        further calls instead."""
+        if self._win is None or self._broken:
+            return
+        _shm.announce_error(int(self._bases[self.rank]), self.slot_bytes, self._seq)
+        self.skip_step(check, "this rank rejected its own arguments")
+
+    def skip_step(self, check: bool, why: str) -> None:
+        """A peer's argument error took the next step (the all-gather of its report, completed with ``check``
+        on, is what orders every rank's later writes after the others' reads); without ``check``, refuse."""
+        if self._win is None:
+            return
+        if check:
+            self._seq += 1
+        else:
+            self._broken = self._broken or why
+
     def run(self, what: str, collective: str, src: np.ndarray, out: np.ndarray, counts, op: str,
-            scale: float) -> None:
+            scale: float, check: bool) -> None:
         """One collective (``collective``: allreduce, reduce_scatter, allgather; ``what`` names it in errors)
         from host ``src`` into host ``out`` (1-D, same dtype; may be the same array): all-reduce ``src`` and
         ``out`` hold every element; reduce-scatter ``src`` every block and ``out`` this rank's; all-gather
         ``src`` this rank's block and ``out`` every block, this rank's already in place. ``counts``: the
-        blocks (None for all-reduce). ``scale`` multiplies the reduced result (avg).
+        blocks (None for all-reduce). ``scale`` multiplies the reduced result (avg). ``check``: the
+        TorusComm's argument check is on (a peer that rejected its own arguments then posted its report).
 
-        Raises TimeoutError (a peer stalled: step and peer named), MismatchError (a peer ran another call),
+        Raises TimeoutError (a peer stalled: step and peer named), MismatchError (a peer ran another call;
+        agreement.PeerRejected: a peer rejected its own arguments),
         TorusError (the transport failed before), ValueError (the ranks span several nodes)."""
         if self._broken:
             raise TorusError(f"{what} on rank {self.rank}: the shared-memory transport is unusable after an "
@@ -135,14 +170,22 @@ class SharedMemory:
         item = out.itemsize
         seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
         kind = _reduce.kind(out)
-        sig = zlib.crc32(c.tobytes(), (mode << 16) | (kind << 8) | OPS.index(op))
+        sig = zlib.crc32(c.tobytes(), zlib.crc32(self.slot_bytes.to_bytes(8, "little"),
+                                                 (mode << 16) | (kind << 8) | OPS.index(op)))
         status, step, peer, nsteps = _shm.run(
             self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes, mode,
-            kind, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self._seq, sig)
+            kind, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin, self._seq,
+            sig)
         if status == _shm.DONE:
             self._seq += nsteps
             return
-        if status == _shm.MISMATCH:
+        if status == _shm.PEER_ERROR and step == 0:
+            if check:  # complete the all-gather that rank posted with its report (agreement.reports_errors)
+                agreement.join(self.comm, self.rank, self.size, self.timeout, what)
+            self.skip_step(check, f"rank {peer} rejected its own arguments")
+            raise agreement.PeerRejected(f"{what} on rank {self.rank}: rank {peer} rejected its own arguments "
+                                         "to this call (see the error there)")
+        if status in (_shm.MISMATCH, _shm.PEER_ERROR):
             self._broken = f"rank {peer} made a different call"
             raise MismatchError(f"{what} on rank {self.rank}: rank {peer} called a different collective, dtype, "
                                 f"op or counts over shared memory at step {step + 1}/{nsteps}")
