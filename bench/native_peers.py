@@ -147,7 +147,8 @@ def main(argv=None) -> int:
         table.append(row)
         lines.append(f"{p:>5} {size:>10} {pl:>12} {med['auto']:>9.1f} {row['auto_pick']:>9} {med['shm']:>9.1f} "
                      f"{med[sched]:>9.1f} {sched:>8} {med['native']:>9.1f} {med['ompi']:>9.1f} {copies[size]:>8.1f} "
-                     f"{row['auto_over_best_native']:>9.2f} {'ok' if row['auto_over_best_native'] <= bar else 'MISS':>4}")
+                     f"{row['auto_over_best_native']:>9.2f} "
+                     f"{'ok' if row['auto_over_best_native'] <= bar else 'MISS':>4}")
     for row in table:
         if row["ranks"] == 2 and row["size"] == 64 << 20:
             busbw = row["size"] / row["medians_us"]["auto"] / 1e3  # algbw GB/s; busbw = algbw * 2(p-1)/p = algbw

@@ -10,6 +10,11 @@ A rank whose own arguments fail their local check raises its ValueError/TypeErro
 of the all-gather marked "argument error" (``reports_errors``), so the others raise MismatchError naming it;
 that posted all-gather is completed at the TorusComm's next call.
 
+Shared-memory calls (``algorithm="shm"``, which ``auto`` picks on one node) skip this all-gather once the
+window is open: the signature rides in every step's header there, and an argument error is announced in it
+(torus/runtime/shm.py says what that catches and misses). That is what keeps the check off a 64 KiB call's
+critical path.
+
 Not caught: anything with the check off (ranks that disagree then hang until the stall timeout, fail in MPI
 with a truncation error, or silently combine mismatched data); a rank that never calls or died (the others get
 TimeoutError after ``timeout`` s); differing buffer contents; ranks calling collectives on different

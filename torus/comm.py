@@ -138,7 +138,8 @@ class TorusComm:
             if algo is None:
                 if len(self._auto) >= 4096:
                     self._auto.clear()
-                algo = self._auto[key] = choose(what, nbytes, self.size, self.dims, in_place)
+                algo = self._auto[key] = choose(what, nbytes, self.size, self.dims, in_place,
+                                                   self.topology.nodes == 1)
         elif algorithm not in ALGORITHMS:
             buffers.fail(what, self.rank, ValueError, f"unknown algorithm {algorithm!r}; expected auto or one "
                                                       f"of {', '.join(ALGORITHMS)}")
@@ -177,8 +178,8 @@ class TorusComm:
         self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
         # Over shared memory the signature rides in every step's header (torus/runtime/shm.py), so once the
         # window is open the separate all-gather is skipped (what that misses: torus/agreement.py).
+        agreement.finish(self._announcements, self.rank, self._executor.timeout, spec.name)
         if self.check and not (algo == "shm" and self._shm.is_open):
-            agreement.finish(self._announcements, self.rank, self._executor.timeout, spec.name)
             try:
                 agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, op,
                                 p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 
-# "shm" (torus/runtime/shm.py: one node, shared memory) is selectable explicitly and through TORUS_ALGO; the
-# table below does not choose it until it has been measured against the others on a quiet machine.
 ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm")
 
 # (largest communicator size the row applies to, largest nbytes, placement the row applies to, algorithm);
@@ -35,9 +33,18 @@ TABLE = (
 )
 
 
-def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False) -> str:
+# Where every rank is on one node, these rows come first (same columns): the shared-memory transport
+# (torus/runtime/shm.py) against the rows below, measured with bench/native_peers.py on 2 cores under load
+# (bench/README.md, "Shared memory"); above 4 MiB the schedules were as fast or faster there, and more than
+# 4 ranks were not measured. Never across nodes: shm needs one shared window.
+ONE_NODE_TABLE = (
+    (4, 4 << 20, None, "shm"),
+)
+
+
+def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False, one_node: bool = False) -> str:
     """The algorithm for one call of ``collective`` on ``nbytes`` bytes over ``size`` ranks in grid ``dims``,
-    in place (``sendbuf=MPI.IN_PLACE``) or not.
+    in place (``sendbuf=MPI.IN_PLACE``) or not, every rank on one node (``one_node``: ONE_NODE_TABLE first).
 
     ``TORUS_ALGO`` (one of ALGORITHMS) overrides the table. Raises ValueError for an unknown TORUS_ALGO."""
     forced = os.environ.get("TORUS_ALGO", "")
@@ -49,7 +56,7 @@ def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False
     if size == 1:
         return "native"
     placement = "in_place" if in_place else "out_of_place"
-    for max_size, max_nbytes, where, algo in TABLE:
+    for max_size, max_nbytes, where, algo in (ONE_NODE_TABLE + TABLE if one_node else TABLE):
         if ((max_size is None or size <= max_size) and (max_nbytes is None or nbytes <= max_nbytes)
                 and where in (None, placement)):
             # A 1 x N or N x 1 grid is a ring: say so rather than pay for the grid bookkeeping.

@@ -127,3 +127,29 @@ def test_torus_algo_selects_it(monkeypatch, rng):
     assert_matches(out, *expected(x, "sum"), "allreduce(auto -> shm)")
     assert tc._shm._seq > 0, "TORUS_ALGO=shm did not run the shared-memory transport"
     tc.Free()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="a peer's argument error needs a second rank")
+@pytest.mark.parametrize("check", [True, False])
+def test_a_peer_that_rejects_its_arguments_is_named_without_the_all_gather(check, rng):
+    """Once the window is open, shm calls skip the argument all-gather: a rank whose own arguments fail
+    (avg on int64) says so in its shm header, the others raise MismatchError naming it. With the check on
+    the ranks stay in step (the next call is right); with it off the transport refuses further calls."""
+    tc = torus.TorusComm(check=check, timeout=60, segment_bytes=4096)
+    x = make(rng, np.int64, "sum", 100)
+    assert_matches(tc.allreduce(x, algorithm="shm"), *expected(x, "sum"), "allreduce(shm) opening the window")
+    if RANK == LAST:
+        with pytest.raises(TypeError, match=f"allreduce on rank {RANK}: "):
+            tc.allreduce(x, op="avg", algorithm="shm")
+    else:
+        with pytest.raises(torus.MismatchError, match=f"allreduce\\(shm\\) on rank {RANK}: rank {LAST} rejected "
+                                                      "its own arguments"):
+            tc.allreduce(x, algorithm="shm")
+    if check:
+        x = make(rng, np.int64, "sum", 5000)
+        assert_matches(tc.allreduce(x, algorithm="shm"), *expected(x, "sum"), "allreduce(shm) after the error")
+    else:
+        with pytest.raises(torus.TorusError, match="unusable after an earlier failure"):
+            tc.allreduce(x, algorithm="shm")
+    WORLD.Barrier()
+    tc.Free()

@@ -247,7 +247,8 @@ def sweep(tc, collective: str, sizes, algorithms, *, dtype, op: str = "sum", ite
         for algorithm in algorithms:
             resolved = algorithm
             if algorithm == "auto":  # the pick may differ by placement: "out-of-place/in-place" then
-                picks = [choose(collective, size, tc.size, tc.dims, p == "in_place") for p in PLACEMENTS]
+                picks = [choose(collective, size, tc.size, tc.dims, p == "in_place", tc.topology.nodes == 1)
+                         for p in PLACEMENTS]
                 resolved = picks[0] if picks[0] == picks[1] else "/".join(picks)
             row = {"collective": collective, "size": size, "count": count, "dtype": str(dtype),
                    "op": op if collective != "allgather" else "none", "algorithm": algorithm,

@@ -14,15 +14,27 @@ and all-gather: the caller's blocks; all-reduce: ``partition.chunks``), and step
 every chunk. Steps are numbered across calls by one counter ``seq``, which every rank advances by the same
 number of steps per call; step ``s`` uses buffer ``s % 2``:
 
-1. copy in: segment ``i`` of every chunk of the input into our sub-slots (all-gather: of our own chunk), the
-   signature into the header, then ``copied = s`` (store-release);
+1. copy in what the peers need: segment ``i`` of every other rank's chunk into its sub-slot (all-gather: of
+   our own chunk), the signature into the header, then ``copied = s`` (store-release);
 2. wait for every peer's ``copied >= s`` (load-acquire) and compare its signature with ours (collective,
-   dtype, op, counts: a mismatch is a MismatchError even with the argument check off);
-3. reduce our chunk's segment from every rank's sub-slot with the host kernels (src/loops.h): all-reduce
-   into our own sub-slot, ranks in the order ``rank, rank+1, ...``, then ``reduced = s`` (store-release);
-   reduce-scatter straight into the output, ranks in order 0, 1, ...; ``avg``'s scale fused into the last;
+   dtype, op, counts, segment size: a mismatch is a MismatchError even with the argument check off);
+3. reduce our chunk's segment, ranks in the order ``rank, rank+1, ...``, our own part read straight from the
+   input (never copied in), the peers' from their sub-slots, with the host kernels (src/loops.h; the first
+   two in one three-operand pass): all-reduce into our own sub-slot, then ``reduced = s`` (store-release);
+   reduce-scatter straight into the output; ``avg``'s scale fused into the last;
 4. copy out (all-reduce: once that peer's ``reduced >= s``; all-gather: its copy-in is enough) every
    rank's segment into the output.
+
+A wait polls its flag ``SPIN_POLLS`` times before it starts yielding the core after every look, when every
+rank has a core of its own (with more ranks than cores the rank waited for may need this very core).
+
+The argument check: once the window is open TorusComm skips its all-gather for shm calls, since step 1 of
+every step carries the signature. What that catches: another collective, dtype, op, count or recvcounts, or
+segment size (MismatchError on the ranks that see it, at the first step); a rank that rejected its own
+arguments (``announce_error``: its header says so, the others raise agreement.PeerRejected naming it and,
+with the check on, complete the all-gather it posted; that step is spent on every rank so the counters stay
+equal). What it misses against the all-gather: a rank that runs another algorithm (ring, native) while the
+others run shm is a TimeoutError after ``timeout`` s, not a MismatchError; the grid (irrelevant to shm).
 
 Why no barrier between calls: before a rank writes buffer ``s % 2`` at step ``s`` it has waited, in step
 ``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its last read of that
@@ -33,17 +45,13 @@ Each element is reduced once, by the rank owning its chunk, and copied to the ot
 is bitwise identical. A wait that sees no progress for ``timeout`` s raises TimeoutError naming the step
 and the peer; after a stall or a mismatch the transport refuses further calls (its counters disagree).
 
-Cost per byte of an all-reduce on ``p`` ranks: one copy in (every byte), one read of every rank's copy of
-our chunk (``p`` reads of ``1/p`` of the buffer) plus one write, and one copy out (every byte): three
-passes over the buffer and the reduction's reads, against a ring's ``2(p-1)/p`` messages of which each MPI
-moves with one (CMA) or two (bounce buffer) copies. Two flag round trips per step.
+Cost per byte of an all-reduce on ``p`` ranks: one copy in of ``(p-1)/p`` of the buffer, the reduction's
+``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk from the sub-slot it was
+just reduced into, still in cache). Two flag round trips per step.
 
-What to do next to make it fast: offer the buffer *in* the window (a TorusComm method handing out a
-numpy view of this rank's region, e.g. the Keras path's fused gradient buffer): then step 1 disappears
-(peers read the caller's data where it lies, the window holding the whole buffer instead of a segment), and
-an all-reduce costs the reduction's reads plus one copy out. Also: fuse the copy-in of the next segment with
-the copy-out of this one, prefetch while waiting, spin briefly before yielding when ranks <= cores, use
-the out-of-place three-operand kernel to reduce the first two ranks in one pass, and measure the segment size.
+Not done yet (issue 14): a buffer that lives in the window (a TorusComm method handing out a numpy view of
+this rank's region for the Keras path's fused gradients), which would remove the copy in; the shm phases of
+hierarchical and torus2d; overlapping the next segment's copy-in with this one's copy-out.
 """
 from __future__ import annotations
 
@@ -62,9 +70,6 @@ from torus.partition import chunks, displacements
 
 _MODE = {"allreduce": _shm.ALLREDUCE, "reduce_scatter": _shm.REDUCE_SCATTER, "allgather": _shm.ALLGATHER}
 _PAGE = 4096
-# Data bytes per rank and step (TORUS_SHM_SEGMENT_BYTES overrides): fewer steps mean fewer flag round
-# trips, while a step's data still fits in a core's L2 cache (bench/README.md, "Shared memory").
-SEGMENT_BYTES = 1 << 20
 # Polls of a flag before a wait starts yielding its core, when every rank of the node has a core of its own
 # (about 10-40 us on current x86); with more ranks than cores a wait yields at once.
 SPIN_POLLS = 2000
@@ -79,7 +84,7 @@ class SharedMemory:
         self.comm, self.rank, self.size, self.timeout = comm, rank, size, timeout
         line = 64 * size
         self.slot_bytes = -(-segment_bytes // line) * line
-        self.spin = SPIN_POLLS if size <= len(os.sched_getaffinity(0)) else 0
+        self.spin = SPIN_POLLS if size <= (os.cpu_count() or 1) else 0
         self._win: MPI.Win | None = None
         self._bases = np.zeros(0, np.int64)
         self._seq = 0
