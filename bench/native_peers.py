@@ -65,11 +65,16 @@ def copy_us(size: int, reps: int = 9) -> float:
     return statistics.median(times) * 1e6
 
 
+def schedules(p: int) -> tuple:
+    """The torus schedules worth timing at ``p`` ranks (at 2 the 1x2 torus is the ring)."""
+    return SCHEDULES if p > 2 else SCHEDULES[:1]
+
+
 def run_torus(p: int, args, out: Path) -> dict:
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "mpiexec"), "-n", str(p), str(bindir / "torus-bench"), "allreduce", "-b", str(args.minbytes),
            "-e", str(args.maxbytes), "-f", "4", "-n", str(args.iters), "-w", str(args.warmup),
-           "--algo", "auto,shm," + ",".join(SCHEDULES) + ",native", "--json", str(out)]
+           "--algo", ",".join(["auto", "shm", *schedules(p), "native"]), "--json", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=tempfile.gettempdir(), timeout=args.timeout)
     rows = json.loads(out.read_text())["results"]
     got: dict = {}
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minbytes", type=int, default=64 << 10)
     ap.add_argument("--maxbytes", type=int, default=256 << 20)
     ap.add_argument("--ompi-venv", type=Path, default=Path(os.environ.get("TORUS_OMPI_VENV", "/work/venvs/ompi")))
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per mpiexec run (default 300)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mpiexec run (default 600)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "native_peers")
     args = ap.parse_args(argv)
     ensure_ompi(args.ompi_venv)
@@ -121,7 +126,12 @@ def main(argv=None) -> int:
             for p in ranks:
                 for side, fn in (sides if i % 2 == 0 else sides[::-1]):
                     before = os.getloadavg()[0]
-                    res = fn(p, args, Path(tmp) / f"{side}{p}.json")
+                    try:
+                        res = fn(p, args, Path(tmp) / f"{side}{p}.json")
+                    except subprocess.TimeoutExpired:
+                        print(f"round {i + 1}: {side} at {p} ranks ran past {args.timeout:g} s; left out",
+                              file=sys.stderr)
+                        continue
                     runs.append({"round": i, "ranks": p, "side": side, "load_before": before,
                                  "load_after": os.getloadavg()[0], **{k: v for k, v in res.items() if k != "times"},
                                  "times": {f"{s} {pl}": t for (s, pl), t in res["times"].items()}})
@@ -136,8 +146,10 @@ def main(argv=None) -> int:
             f"{'(which)':>8} {'MPICH':>9} {'OpenMPI':>9} {'copy':>8} {'auto/best':>9} {'bar':>4}")
     lines.append(head)
     for (p, size, pl), cols in sorted(samples.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "out_of_place")):
+        if not {"auto", "ompi"} <= cols.keys():
+            continue  # one side never finished (timed out every round)
         med = {c: statistics.median(v) for c, v in cols.items() if c != "auto pick"}
-        sched = min(SCHEDULES, key=lambda a: med[a])
+        sched = min(schedules(p), key=lambda a: med[a])
         best_native = min(med["native"], med["ompi"])
         bar = 0.8 if size >= 16 << 20 else 1.0
         row = {"ranks": p, "size": size, "placement": pl, "auto_pick": cols["auto pick"][-1], "best_schedule": sched,

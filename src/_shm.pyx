@@ -203,3 +203,62 @@ def announce_error(int64_t base, int64_t slot_bytes, uint64_t seq):
     cdef char* region = <char*>base
     (<uint64_t*>(region + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0] = _ERROR_SIG
     torus_flag_store(<uint64_t*>(region + COPIED), cur)
+
+
+def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, const int64_t[::1] counts,
+               const int64_t[::1] displs, int64_t slot_bytes, int kind, int item, int op, double scale,
+               int nthreads, double timeout, int spin, uint64_t seq, uint64_t sig):
+    """All-reduce in place of buffers that live in shared memory: rank ``q``'s buffer starts at address
+    ``data[q]``, its flags and headers in the window region at ``bases[q]``; ``counts``/``displs``: every
+    rank's chunk, in elements. Three phases, flag values ``seq + 1`` and ``seq + 2``:
+
+    1. ``copied = seq + 1`` (our buffer holds this call's input), wait for every peer's, compare signatures;
+    2. reduce our chunk in place from every peer's buffer (ranks in the order rank, rank + 1, ...),
+       ``reduced = seq + 1``;
+    3. once a peer's ``reduced`` is there, copy its chunk from its buffer into ours; then ``copied = seq + 2``
+       and wait for every peer's (nobody's buffer is written again, by its owner, while a peer still reads it).
+
+    Returns ``(status, phase, peer)`` with the statuses of ``run`` (phase 0, 1 or 2)."""
+    cdef int P = bases.shape[0], k, q, status = DONE, peer = -1, phase = 0
+    cdef uint64_t cur = seq + 1, theirs
+    cdef char* mine = <char*>data[rank]
+    cdef char* acc
+    cdef int64_t n = counts[rank]
+    with nogil:
+        (<uint64_t*>(<char*>bases[rank] + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0] = sig
+        torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur)
+        for k in range(1, P):
+            q = (rank + k) % P
+            if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin):
+                status, peer = STALLED_COPY, q
+                break
+            theirs = (<uint64_t*>(<char*>bases[q] + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0]
+            if theirs != sig:
+                status, peer = (PEER_ERROR if theirs == _ERROR_SIG else MISMATCH), q
+                break
+        if status == DONE:
+            phase = 1
+            acc = mine + displs[rank] * item
+            for k in range(1, P):
+                q = (rank + k) % P
+                if n:
+                    _reduce_raw(kind, acc, acc, <char*>data[q] + displs[rank] * item, n, item, op,
+                                scale if k == P - 1 else 1.0, nthreads)
+            torus_flag_store(<uint64_t*>(<char*>bases[rank] + REDUCED), cur)
+            phase = 2
+            for k in range(1, P):
+                q = (rank + k) % P
+                if _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout, spin):
+                    status, peer = STALLED_REDUCE, q
+                    break
+                if counts[q]:
+                    memcpy(mine + displs[q] * item, <char*>data[q] + displs[q] * item, counts[q] * item)
+        if status == DONE:
+            (<uint64_t*>(<char*>bases[rank] + FLAG_AREA + <int64_t>((cur + 1) & 1) * (HEADER + slot_bytes)))[0] = sig
+            torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur + 1)
+            for k in range(1, P):
+                q = (rank + k) % P
+                if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur + 1, timeout, spin):
+                    status, peer = STALLED_COPY, q
+                    break
+    return status, phase, peer

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from mpi4py import MPI
 
 from torus import agreement, buffers, kernels
-from torus.ops import avg_factors
+from torus.ops import DTYPES, avg_factors
 from torus.runtime import memory
 from torus.runtime.executor import Executor
+from torus.runtime.shm import SEGMENT_BYTES as SHM_SEGMENT_BYTES
 from torus.runtime.shm import SharedMemory
 from torus.schedules.build import build, effective
 from torus.select import ALGORITHMS, choose
@@ -49,8 +51,9 @@ class TorusComm:
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
     segment_bytes : int
         Pipelining unit in bytes (default 1 MiB, ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The
-        shared-memory transport moves this many bytes per rank and step, through a window of about
-        ``2 * segment_bytes`` per rank set up at the first ``algorithm="shm"`` call (collective).
+        shared-memory transport moves this many bytes per rank and step (default, when neither is given:
+        ``torus.runtime.shm.SEGMENT_BYTES``, 256 KiB), through a window of about twice that per rank set up
+        at the first ``algorithm="shm"`` call (collective).
     check : bool
         Agree on every call's arguments across ranks before moving data (default on, ``TORUS_CHECK=0``).
     timeout : float or None
@@ -120,7 +123,8 @@ class TorusComm:
         comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
                  "local": self.local_comm, "cross": self.cross_comm}
         self._executor = Executor(comms, rank, seg, timeout or None)
-        self._shm = SharedMemory(self.comm, rank, size, seg, timeout or None)
+        given = segment_bytes or os.environ.get("TORUS_SEGMENT_BYTES")
+        self._shm = SharedMemory(self.comm, rank, size, seg if given else SHM_SEGMENT_BYTES, timeout or None)
         # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
         # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
         self._direct = {"native": self._run_native, "shm": self._run_shm}
@@ -259,6 +263,27 @@ class TorusComm:
         ``rank`` already holds this rank's data. Returns recvbuf.
         """
         return self._call(buffers.ALLGATHER, sendbuf, recvbuf, "sum", algorithm, recvcounts)
+
+    def alloc(self, count: int, dtype=np.float32) -> np.ndarray:
+        """A 1-D numpy array of ``count`` elements of ``dtype`` (uninitialised) that lives in shared memory:
+        an in-place all-reduce of exactly this array (``allreduce(MPI.IN_PLACE, a)`` with ``algorithm`` "shm",
+        or "auto" where it picks shm) reduces straight from the peers' arrays, with no copy in (the fused
+        gradient buffer of a training step is the use). Collective: every rank calls it, with the same count
+        and dtype, in the same order; every rank on one node. Valid until :meth:`Free`; any other call on it
+        (a slice, out of place, reduce-scatter) takes the ordinary path.
+
+        Raises ValueError when the ranks span several nodes or ``count`` is negative, TypeError for a dtype
+        torus does not reduce."""
+        dt = np.dtype(dtype)
+        if dt not in DTYPES:
+            buffers.fail("alloc", self.rank, TypeError, f"dtype {dt} is not one of "
+                                                        f"{', '.join(str(d) for d in DTYPES)}")
+        if count < 0:
+            buffers.fail("alloc", self.rank, ValueError, f"count {count} is negative")
+        if self.topology.nodes > 1:
+            buffers.fail("alloc", self.rank, ValueError, f"shared memory needs every rank on one node; these "
+                                                         f"{self.size} ranks are on {self.topology.nodes} nodes")
+        return self._shm.alloc("alloc", int(count), dt)
 
     def free_buffers(self) -> None:
         """Release the working buffers kept between calls (see the class docstring); the next call allocates

@@ -49,9 +49,15 @@ Cost per byte of an all-reduce on ``p`` ranks: one copy in of ``(p-1)/p`` of the
 ``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk from the sub-slot it was
 just reduced into, still in cache). Two flag round trips per step.
 
-Not done yet (issue 14): a buffer that lives in the window (a TorusComm method handing out a numpy view of
-this rank's region for the Keras path's fused gradients), which would remove the copy in; the shm phases of
-hierarchical and torus2d; overlapping the next segment's copy-in with this one's copy-out.
+Buffers in the window (``TorusComm.alloc``: one more shared window per buffer, each rank's part its own
+pages): an in-place all-reduce of such a buffer (``run_window`` in src/_shm.pyx) publishes ``copied``, reduces
+its chunk in place straight from the peers' buffers, publishes ``reduced``, copies every peer's chunk from
+its buffer, and ends with a second ``copied`` that every rank waits for, so that no rank writes its buffer
+again (the next step's gradients) while a peer still reads it. No copy in, no segments; two step numbers per
+call; the signature names the buffer (which ``alloc``), so ranks passing different buffers mismatch.
+
+Not done yet (issue 14): the shm phases of hierarchical and torus2d; overlapping the next segment's copy-in
+with this one's copy-out; out-of-place calls from an ``alloc`` buffer (they take the ordinary path).
 """
 from __future__ import annotations
 
@@ -70,6 +76,12 @@ from torus.partition import chunks, displacements
 
 _MODE = {"allreduce": _shm.ALLREDUCE, "reduce_scatter": _shm.REDUCE_SCATTER, "allgather": _shm.ALLGATHER}
 _PAGE = 4096
+# Signature mode of an in-place all-reduce of the k-th ``alloc`` buffer: this plus k (ranks must agree on it).
+_WINDOW_ALLREDUCE = 16
+# Data bytes per rank and step unless TorusComm's segment_bytes is given: a step's window data then stays in
+# a core's L2 cache between the copy in, the peers' reduction and the copy out (bench/README.md, "Shared
+# memory": at 2 ranks 64 MiB, 256 KiB steps took 0.9x the time of 1 MiB steps).
+SEGMENT_BYTES = 256 << 10
 # Polls of a flag before a wait starts yielding its core, when every rank of the node has a core of its own
 # (about 10-40 us on current x86); with more ranks than cores a wait yields at once.
 SPIN_POLLS = 2000
@@ -90,6 +102,7 @@ class SharedMemory:
         self._seq = 0
         self._broken = ""
         self._chunks: dict = {}
+        self._buffers: dict = {}  # address of an alloc buffer -> (window, every rank's address, nbytes, index)
 
     def _open(self, what: str) -> None:
         rank, size = self.rank, self.size
@@ -173,14 +186,22 @@ class SharedMemory:
         mode = _MODE[collective]
         c, d = self._layout(what, out.size, counts)
         item = out.itemsize
-        seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
         kind = _reduce.kind(out)
+        window = self._buffers.get(out.ctypes.data) if mode == _shm.ALLREDUCE and src is out else None
+        if window is not None and window[2] == out.nbytes:  # the caller's buffer lives in shared memory
+            mode = _WINDOW_ALLREDUCE + window[3]
         sig = zlib.crc32(c.tobytes(), zlib.crc32(self.slot_bytes.to_bytes(8, "little"),
                                                  (mode << 16) | (kind << 8) | OPS.index(op)))
-        status, step, peer, nsteps = _shm.run(
-            self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes, mode,
-            kind, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin, self._seq,
-            sig)
+        args = (kind, item, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin,
+                self._seq, sig)
+        if window is not None and mode >= _WINDOW_ALLREDUCE:
+            (status, step, peer), nsteps = _shm.run_window(self._bases, window[1], self.rank, c, d,
+                                                           self.slot_bytes, *args), 2
+        else:
+            seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
+            status, step, peer, nsteps = _shm.run(
+                self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes,
+                mode, *args[:1], *args[2:])
         if status == _shm.DONE:
             self._seq += nsteps
             return
@@ -193,7 +214,8 @@ class SharedMemory:
         if status in (_shm.MISMATCH, _shm.PEER_ERROR):
             self._broken = f"rank {peer} made a different call"
             raise MismatchError(f"{what} on rank {self.rank}: rank {peer} called a different collective, dtype, "
-                                f"op or counts over shared memory at step {step + 1}/{nsteps}")
+                                f"op or counts (or a buffer from another alloc) over shared memory at step "
+                                f"{step + 1}/{nsteps}")
         waited = "copy in its input" if status == _shm.STALLED_COPY else "publish its reduced chunk"
         self._broken = f"rank {peer} stalled"
         raise TorusTimeout(f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step "
@@ -201,8 +223,28 @@ class SharedMemory:
                            "(a peer died, stalled or called a different collective); the communicator is "
                            "unusable now, abort the job")
 
+    def alloc(self, what: str, count: int, dtype: np.dtype) -> np.ndarray:
+        """``count`` elements of ``dtype`` (uninitialised) in a new shared window of the node (collective):
+        an in-place all-reduce of exactly this array reads the peers' data where it lies (no copy in)."""
+        if self._win is None:
+            self._open(what)
+        nbytes = count * dtype.itemsize
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            win = MPI.Win.Allocate_shared(max(-(-nbytes // _PAGE) * _PAGE, _PAGE), 1, info, comm=self.comm)
+        finally:
+            info.Free()
+        data = np.array([win.Shared_query(q)[0].address for q in range(self.size)], np.int64)
+        array = np.frombuffer(win.tomemory(), dtype, count)  # type: ignore[call-overload]  # mpi4py buffer
+        self._buffers[array.ctypes.data] = (win, data, nbytes, len(self._buffers))
+        return array
+
     def free(self) -> None:
-        """Release the window (collective over the node's ranks, when it was set up)."""
+        """Release the window and every ``alloc`` buffer (collective over the node's ranks, when set up)."""
+        for win, *_ in self._buffers.values():
+            win.Free()
+        self._buffers.clear()
         if self._win is not None:
             self._win.Free()
             self._win = None
