@@ -21,7 +21,6 @@ from torus import agreement, buffers, kernels
 from torus.ops import DTYPES, avg_factors
 from torus.runtime import memory
 from torus.runtime.executor import Executor
-from torus.runtime.shm import SEGMENT_BYTES as SHM_SEGMENT_BYTES
 from torus.runtime.shm import SharedMemory
 from torus.schedules.build import build, effective
 from torus.select import ALGORITHMS, choose
@@ -51,9 +50,9 @@ class TorusComm:
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
     segment_bytes : int
         Pipelining unit in bytes (default 1 MiB, ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The
-        shared-memory transport moves this many bytes per rank and step (default, when neither is given:
-        ``torus.runtime.shm.SEGMENT_BYTES``, 256 KiB), through a window of about twice that per rank set up
-        at the first ``algorithm="shm"`` call (collective).
+        shared-memory transport moves this many bytes per rank and step (when neither is given: 256 KiB, or
+        1 MiB with more ranks than cores; ``torus.runtime.shm``), through a window of about twice that per
+        rank set up at the first ``algorithm="shm"`` call (collective).
     check : bool
         Agree on every call's arguments across ranks before moving data (default on, ``TORUS_CHECK=0``).
     timeout : float or None
@@ -124,7 +123,7 @@ class TorusComm:
                  "local": self.local_comm, "cross": self.cross_comm}
         self._executor = Executor(comms, rank, seg, timeout or None)
         given = segment_bytes or os.environ.get("TORUS_SEGMENT_BYTES")
-        self._shm = SharedMemory(self.comm, rank, size, seg if given else SHM_SEGMENT_BYTES, timeout or None)
+        self._shm = SharedMemory(self.comm, rank, size, seg if given else None, timeout or None)
         # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
         # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
         self._direct = {"native": self._run_native, "shm": self._run_shm}

@@ -78,25 +78,32 @@ _MODE = {"allreduce": _shm.ALLREDUCE, "reduce_scatter": _shm.REDUCE_SCATTER, "al
 _PAGE = 4096
 # Signature mode of an in-place all-reduce of the k-th ``alloc`` buffer: this plus k (ranks must agree on it).
 _WINDOW_ALLREDUCE = 16
-# Data bytes per rank and step unless TorusComm's segment_bytes is given: a step's window data then stays in
-# a core's L2 cache between the copy in, the peers' reduction and the copy out (bench/README.md, "Shared
-# memory": at 2 ranks 64 MiB, 256 KiB steps took 0.9x the time of 1 MiB steps).
+# Data bytes per rank and step unless TorusComm's segment_bytes is given. Every rank its own core: small, so
+# a step's window data stays in a core's L2 cache between the copy in, the peers' reduction and the copy out
+# (at 2 ranks 64 MiB, 256 KiB steps took 0.9x the time of 1 MiB steps). More ranks than cores: each step
+# waits for every rank to be scheduled, so fewer, larger steps (bench/README.md, "Shared memory").
 SEGMENT_BYTES = 256 << 10
+OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
 # Polls of a flag before a wait starts yielding its core, when every rank of the node has a core of its own
-# (about 10-40 us on current x86); with more ranks than cores a wait yields at once.
-SPIN_POLLS = 2000
+# (up to about 1 ms on current x86: on a busy machine a yield can cost a whole time slice; 2,000 polls left
+# 64 KiB at 25 us against 18 us); with more ranks than cores a wait yields at once.
+SPIN_POLLS = 20000
 
 
 class SharedMemory:
     """The shared-memory transport of one TorusComm: ``comm`` (its duplicated communicator, every rank on
-    one node), ``segment_bytes`` (data bytes per rank and step; rounded up to a multiple of ``64 * size``),
+    one node), ``segment_bytes`` (data bytes per rank and step, None: SEGMENT_BYTES, or
+    OVERSUBSCRIBED_SEGMENT_BYTES with more ranks than cores; rounded up to a multiple of ``64 * size``),
     ``timeout`` (seconds without progress before TimeoutError; None waits forever)."""
 
-    def __init__(self, comm: MPI.Intracomm, rank: int, size: int, segment_bytes: int, timeout: float | None):
+    def __init__(self, comm: MPI.Intracomm, rank: int, size: int, segment_bytes: int | None,
+                 timeout: float | None):
         self.comm, self.rank, self.size, self.timeout = comm, rank, size, timeout
+        own_cores = size <= (os.cpu_count() or 1)
+        self.spin = SPIN_POLLS if own_cores else 0
+        seg = segment_bytes or (SEGMENT_BYTES if own_cores else OVERSUBSCRIBED_SEGMENT_BYTES)
         line = 64 * size
-        self.slot_bytes = -(-segment_bytes // line) * line
-        self.spin = SPIN_POLLS if size <= (os.cpu_count() or 1) else 0
+        self.slot_bytes = -(-seg // line) * line
         self._win: MPI.Win | None = None
         self._bases = np.zeros(0, np.int64)
         self._seq = 0
