@@ -17,6 +17,7 @@ cnp.import_array()
 cdef extern from "shm_flags.h" nogil:
     uint64_t torus_flag_load(const uint64_t* flag)
     void torus_flag_store(uint64_t* flag, uint64_t value)
+    void torus_cpu_relax()
 
 cdef extern from "sched.h" nogil:
     int sched_yield()
@@ -55,6 +56,12 @@ cpdef enum:
     STALLED_COPY = 1
     STALLED_REDUCE = 2
     MISMATCH = 3
+    PEER_ERROR = 4
+
+# The header a rank writes instead of a signature when its own arguments failed their local check
+# (``announce_error``); signatures are 32-bit checksums, so it never equals one.
+cdef uint64_t _ERROR_SIG = 0xFFFFFFFFFFFFFFFFULL
+ERROR_SIG = _ERROR_SIG
 
 
 cdef inline double _now() noexcept nogil:
@@ -63,15 +70,22 @@ cdef inline double _now() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
-cdef int _wait(const uint64_t* flag, uint64_t target, double timeout) noexcept nogil:
-    """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without. Yields the core after
-    every unsuccessful look, as the C step loop does: the rank waited for may need this very core."""
+cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) noexcept nogil:
+    """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without. Polls ``spin`` times
+    (a few microseconds when every rank has its own core) before yielding the core after every unsuccessful
+    look, as the C step loop does: with more ranks than cores the rank waited for may need this very core."""
     cdef double deadline = 0.0
     cdef int polls = 0
     if torus_flag_load(flag) >= target:
         return 0
+    while polls < spin:
+        torus_cpu_relax()
+        if torus_flag_load(flag) >= target:
+            return 0
+        polls += 1
     if timeout > 0:
         deadline = _now() + timeout
+    polls = 0
     while True:
         sched_yield()
         if torus_flag_load(flag) >= target:
@@ -89,23 +103,26 @@ cdef inline int64_t _piece(int64_t count, int64_t lo, int64_t seg) noexcept nogi
 
 def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarray out not None,
         const int64_t[::1] counts, const int64_t[::1] displs, int64_t seg, int64_t stride, int64_t slot_bytes,
-        int mode, int kind, int op, double scale, int nthreads, double timeout, uint64_t seq, uint64_t sig):
+        int mode, int kind, int op, double scale, int nthreads, double timeout, int spin, uint64_t seq,
+        uint64_t sig):
     """Run one collective over the window whose ranks' regions start at ``bases`` (addresses).
 
     ``src``: the input (all chunks; all-gather: this rank's chunk); ``out``: the output (all chunks;
     reduce-scatter: this rank's chunk); ``counts``/``displs``: every rank's chunk, in elements. Step ``i``
     moves elements ``[i*seg, (i+1)*seg)`` of every chunk, each in its sub-slot ``stride`` bytes apart (one
-    sub-slot for all-gather), with flag value ``seq + i + 1``. Returns ``(status, step, peer, nsteps)``:
-    status DONE, STALLED_COPY / STALLED_REDUCE (no progress for ``timeout`` s waiting on ``peer``'s copy-in /
-    reduced chunk at ``step``), MISMATCH (``peer``'s signature differs from ``sig``)."""
+    sub-slot for all-gather), with flag value ``seq + i + 1``. A wait polls ``spin`` times before yielding.
+    Returns ``(status, step, peer, nsteps)``: status DONE, STALLED_COPY / STALLED_REDUCE (no progress for
+    ``timeout`` s waiting on ``peer``'s copy-in / reduced chunk at ``step``), MISMATCH (``peer``'s signature
+    differs from ``sig``), PEER_ERROR (``peer`` announced an argument error instead)."""
     cdef int P = bases.shape[0], k, q, status = DONE, peer = -1
     cdef char* s = <char*>cnp.PyArray_DATA(src)
     cdef char* o = <char*>cnp.PyArray_DATA(out)
     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(out)
     cdef int64_t nsteps = 0, i = 0, lo, n, maxc = 0, r, buf_off, sub
-    cdef uint64_t cur
+    cdef uint64_t cur, theirs
     cdef char* mine
     cdef char* acc
+    cdef char* own
     for r in range(P):
         if counts[r] > maxc:
             maxc = counts[r]
@@ -116,8 +133,11 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
             buf_off = FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)  # double buffer by parity
             lo = i * seg
             mine = <char*>bases[rank] + buf_off
-            # Copy in. Buffer (cur & 1) is free: every peer passed step cur - 1 (we waited for that below),
-            # which it enters only after its last read of this buffer, in step cur - 2.
+            sub = HEADER + rank * stride
+            # Copy in what the peers need: our own chunk for all-gather, every other rank's chunk for a
+            # reduction (our own chunk is reduced from src where it lies). Buffer (cur & 1) is free: every
+            # peer passed step cur - 1 (we waited for that below), which it enters only after its last read
+            # of this buffer, in step cur - 2.
             if mode == ALLGATHER:
                 n = _piece(counts[rank], lo, seg)
                 if n:
@@ -125,40 +145,35 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
             else:
                 for r in range(P):
                     n = _piece(counts[r], lo, seg)
-                    if n:
+                    if n and r != rank:
                         memcpy(mine + HEADER + r * stride, s + (displs[r] + lo) * item, n * item)
             (<uint64_t*>mine)[0] = sig
             torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur)
             # Wait for every peer's input; check it is the same call.
             for k in range(1, P):
                 q = (rank + k) % P
-                if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout):
+                if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin):
                     status, peer = STALLED_COPY, q
                     break
-                if (<uint64_t*>(<char*>bases[q] + buf_off))[0] != sig:
-                    status, peer = MISMATCH, q
+                theirs = (<uint64_t*>(<char*>bases[q] + buf_off))[0]
+                if theirs != sig:
+                    status, peer = (PEER_ERROR if theirs == _ERROR_SIG else MISMATCH), q
                     break
             if status:
                 break
-            # Reduce this rank's chunk straight from every peer's sub-slot.
-            sub = HEADER + rank * stride
+            # Reduce this rank's chunk, ranks in the order rank, rank + 1, ...: our own part straight from src,
+            # the peers' from their sub-slots. All-reduce: into our own sub-slot, where every rank copies it
+            # from; reduce-scatter: into the output (in place it is our part of src: read before written).
             n = _piece(counts[rank], lo, seg) if mode != ALLGATHER else 0
-            if n and mode == ALLREDUCE:  # into our own sub-slot, where the others copy it from
-                acc = mine + sub
+            if n:
+                own = s + (displs[rank] + lo) * item
+                acc = mine + sub if mode == ALLREDUCE else o + lo * item
+                if P == 1 and acc != own:
+                    memcpy(acc, own, n * item)
                 for k in range(1, P):
                     q = (rank + k) % P
-                    _reduce_raw(kind, acc, acc, <char*>bases[q] + buf_off + sub, n, item, op,
+                    _reduce_raw(kind, acc, own if k == 1 else acc, <char*>bases[q] + buf_off + sub, n, item, op,
                                 scale if k == P - 1 else 1.0, nthreads)
-            elif n and mode == REDUCE_SCATTER:  # into the output, ranks in order
-                acc = o + lo * item
-                if P == 1:
-                    memcpy(acc, mine + sub, n * item)
-                else:
-                    _reduce_raw(kind, acc, <char*>bases[0] + buf_off + sub, <char*>bases[1] + buf_off + sub, n,
-                                item, op, scale if P == 2 else 1.0, nthreads)
-                for q in range(2, P):
-                    _reduce_raw(kind, acc, acc, <char*>bases[q] + buf_off + sub, n, item, op,
-                                scale if q == P - 1 else 1.0, nthreads)
             if mode == REDUCE_SCATTER:
                 continue
             if mode == ALLREDUCE:
@@ -171,7 +186,7 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                 if n == 0 or (mode == ALLGATHER and q == rank):  # all-gather: our chunk is in out already
                     continue
                 if mode == ALLREDUCE and q != rank and _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur,
-                                                              timeout):
+                                                              timeout, spin):
                     status, peer = STALLED_REDUCE, q
                     break
                 memcpy(o + (displs[q] + lo) * item,
@@ -179,3 +194,71 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
             if status:
                 break
     return status, i, peer, nsteps
+
+
+def announce_error(int64_t base, int64_t slot_bytes, uint64_t seq):
+    """Tell the peers, at step ``seq + 1``, that this rank rejected its own arguments: ERROR_SIG in that
+    step's header, then the copied flag (release). The buffer is free for the reason ``run`` gives."""
+    cdef uint64_t cur = seq + 1
+    cdef char* region = <char*>base
+    (<uint64_t*>(region + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0] = _ERROR_SIG
+    torus_flag_store(<uint64_t*>(region + COPIED), cur)
+
+
+def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, const int64_t[::1] counts,
+               const int64_t[::1] displs, int64_t slot_bytes, int kind, int item, int op, double scale,
+               int nthreads, double timeout, int spin, uint64_t seq, uint64_t sig):
+    """All-reduce in place of buffers that live in shared memory: rank ``q``'s buffer starts at address
+    ``data[q]``, its flags and headers in the window region at ``bases[q]``; ``counts``/``displs``: every
+    rank's chunk, in elements. Three phases, flag values ``seq + 1`` and ``seq + 2``:
+
+    1. ``copied = seq + 1`` (our buffer holds this call's input), wait for every peer's, compare signatures;
+    2. reduce our chunk in place from every peer's buffer (ranks in the order rank, rank + 1, ...),
+       ``reduced = seq + 1``;
+    3. once a peer's ``reduced`` is there, copy its chunk from its buffer into ours; then ``copied = seq + 2``
+       and wait for every peer's (nobody's buffer is written again, by its owner, while a peer still reads it).
+
+    Returns ``(status, phase, peer)`` with the statuses of ``run`` (phase 0, 1 or 2)."""
+    cdef int P = bases.shape[0], k, q, status = DONE, peer = -1, phase = 0
+    cdef uint64_t cur = seq + 1, theirs
+    cdef char* mine = <char*>data[rank]
+    cdef char* acc
+    cdef int64_t n = counts[rank]
+    with nogil:
+        (<uint64_t*>(<char*>bases[rank] + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0] = sig
+        torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur)
+        for k in range(1, P):
+            q = (rank + k) % P
+            if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin):
+                status, peer = STALLED_COPY, q
+                break
+            theirs = (<uint64_t*>(<char*>bases[q] + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0]
+            if theirs != sig:
+                status, peer = (PEER_ERROR if theirs == _ERROR_SIG else MISMATCH), q
+                break
+        if status == DONE:
+            phase = 1
+            acc = mine + displs[rank] * item
+            for k in range(1, P):
+                q = (rank + k) % P
+                if n:
+                    _reduce_raw(kind, acc, acc, <char*>data[q] + displs[rank] * item, n, item, op,
+                                scale if k == P - 1 else 1.0, nthreads)
+            torus_flag_store(<uint64_t*>(<char*>bases[rank] + REDUCED), cur)
+            phase = 2
+            for k in range(1, P):
+                q = (rank + k) % P
+                if _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout, spin):
+                    status, peer = STALLED_REDUCE, q
+                    break
+                if counts[q]:
+                    memcpy(mine + displs[q] * item, <char*>data[q] + displs[q] * item, counts[q] * item)
+        if status == DONE:
+            (<uint64_t*>(<char*>bases[rank] + FLAG_AREA + <int64_t>((cur + 1) & 1) * (HEADER + slot_bytes)))[0] = sig
+            torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur + 1)
+            for k in range(1, P):
+                q = (rank + k) % P
+                if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur + 1, timeout, spin):
+                    status, peer = STALLED_COPY, q
+                    break
+    return status, phase, peer

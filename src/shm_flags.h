@@ -13,4 +13,14 @@ static inline uint64_t torus_flag_load(const uint64_t *flag) { return __atomic_l
 static inline void torus_flag_store(uint64_t *flag, uint64_t value) {
     __atomic_store_n(flag, value, __ATOMIC_RELEASE);
 }
+
+/* A spin-wait hint (x86 pause, AArch64 yield): lets the sibling hyperthread run and saves power while a
+ * rank polls a flag for a few microseconds before giving its core away. */
+static inline void torus_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 #endif

@@ -1,7 +1,7 @@
 """algorithm="auto": the table's rows, the grid rule and the TORUS_ALGO override."""
 import pytest
 
-from torus.select import ALGORITHMS, NATIVE_LINK_SECONDS, RING_MAX_NODES, TABLE, Nodes, choose
+from torus.select import ALGORITHMS, NATIVE_LINK_SECONDS, ONE_NODE_TABLE, RING_MAX_NODES, TABLE, Nodes, choose
 
 
 def _expected(nbytes, size, in_place):
@@ -39,6 +39,20 @@ def test_small_is_native_large_is_a_schedule(monkeypatch):
     assert choose("allreduce", 64 << 10, 6, (2, 3)) == "native"  # not measured with the C loop
     assert choose("allreduce", 256 << 20, 2, (1, 2)) == "ring"
     assert choose("allgather", 256 << 20, 1, (1, 1)) == "native"
+
+
+@pytest.mark.parametrize("size,dims", [(2, (1, 2)), (3, (1, 3)), (4, (2, 2)), (6, (2, 3))])
+@pytest.mark.parametrize("nbytes", [0, 4, 64 << 10, 1 << 20, (1 << 20) + 4, 256 << 20])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_one_node_rows_come_first(monkeypatch, size, dims, nbytes, in_place):
+    """On one node ONE_NODE_TABLE is read before TABLE; across nodes it never is (shm needs one window)."""
+    monkeypatch.delenv("TORUS_ALGO", raising=False)
+    across = choose("allreduce", nbytes, size, dims, in_place)
+    assert across != "shm"
+    want = next((algo for max_size, max_nbytes, where, algo in ONE_NODE_TABLE
+                 if size <= max_size and (max_nbytes is None or nbytes <= max_nbytes)), across)
+    assert choose("allreduce", nbytes, size, dims, in_place, one_node=True) == want
+    assert choose("allreduce", nbytes, 1, (1, 1), in_place, one_node=True) == "native"
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)

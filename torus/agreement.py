@@ -10,6 +10,11 @@ A rank whose own arguments fail their local check raises its ValueError/TypeErro
 of the all-gather marked "argument error" (``reports_errors``), so the others raise MismatchError naming it;
 that posted all-gather is completed at the TorusComm's next call.
 
+Shared-memory calls (``algorithm="shm"``, which ``auto`` picks on one node) skip this all-gather once the
+window is open: the signature rides in every step's header there, and an argument error is announced in it
+(torus/runtime/shm.py says what that catches and misses). That is what keeps the check off a 64 KiB call's
+critical path.
+
 Not caught: anything with the check off (ranks that disagree then hang until the stall timeout, fail in MPI
 with a truncation error, or silently combine mismatched data); a rank that never calls or died (the others get
 TimeoutError after ``timeout`` s); differing buffer contents; ranks calling collectives on different
@@ -31,6 +36,11 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts",
              "argument error")
 _ERROR = len(SIGNATURE) - 1  # the field that says "this rank rejected its own arguments"
+
+
+class PeerRejected(MismatchError):
+    """Some rank rejected its own arguments to this call (raised on the others; that rank raised its
+    ValueError/TypeError)."""
 
 
 def ranks_text(ranks: list) -> str:
@@ -55,8 +65,10 @@ def reports_errors(method):
         try:
             return method(self, *args, **kwargs)
         except (ValueError, TypeError):
-            if self.check and not self._agreeing:
-                self._announcements.append(announce(self.comm, self.size, what))
+            if not self._agreeing:
+                if self.check:
+                    self._announcements.append(announce(self.comm, self.size, what))
+                self._shm.announce_error(self.check)  # for peers whose call runs unchecked over shm
             raise
     return wrapper
 
@@ -76,6 +88,16 @@ def finish(pending: list, rank: int, timeout, what: str) -> None:
         faults.wait(req, timeout, lambda: (
             f"{what} on rank {rank}: no progress for {timeout:g} s completing the report of this rank's "
             "earlier argument error: some rank never made that call; abort the job"))
+
+
+def join(comm, rank: int, size: int, timeout, what: str) -> None:
+    """Complete, from a rank that learnt of it another way (the shared-memory header), the all-gather that a
+    rank posted with its argument error (``announce``), so that every rank's next all-gather matches."""
+    mine = np.full(len(SIGNATURE), -1, np.int64)
+    every = np.empty((size, mine.size), np.int64)
+    faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
+        f"{what} on rank {rank}: no progress for {timeout:g} s collecting a peer's argument-error report; "
+        "abort the job"))
 
 
 def signature(what: str, algo: str, op: str, dt, count: int, recvcounts, segment_bytes: int, X: int) -> np.ndarray:
@@ -99,7 +121,7 @@ def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.nd
     failed = np.nonzero(every[:, _ERROR])[0]
     if failed.size:
         whose = "its" if failed.size == 1 else "their"
-        raise MismatchError(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
+        raise PeerRejected(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
                             f"{whose} own arguments to this call (see the error there); no data was moved")
     bad = np.nonzero((every != every[0]).any(axis=0))[0]
     if bad.size == 0:

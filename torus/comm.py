@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from mpi4py import MPI
 
 from torus import agreement, buffers, kernels, link, options
-from torus.ops import avg_factors
+from torus.ops import DTYPES, avg_factors
 from torus.runtime import memory
 from torus.runtime.executor import Executor
 from torus.runtime.shm import SharedMemory
@@ -45,10 +46,11 @@ class TorusComm:
         Emulate nodes of this many consecutive ranks for the hierarchical schedule (default: the real nodes,
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
     segment_bytes : int
-        Pipelining unit in bytes (default 1 MiB on one node, 256 KiB across nodes: ``torus.options.SEGMENT_BYTES``,
-        ``CROSS_NODE_SEGMENT_BYTES``; ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The
-        shared-memory transport moves this many bytes per rank and step, through a window of about
-        ``2 * segment_bytes`` per rank set up at the first ``algorithm="shm"`` call (collective).
+        Pipelining unit in bytes (default 1 MiB on one node, 256 KiB across nodes: ``torus.options``;
+        ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The shared-memory transport moves this many
+        bytes per rank and step (when neither is given: 256 KiB, or 1 MiB with more ranks than cores;
+        ``torus.runtime.shm``), through a window of about twice that per rank set up at the first
+        ``algorithm="shm"`` call (collective).
     check : bool
         Agree on every call's arguments across ranks before moving data (default on, ``TORUS_CHECK=0``).
     timeout : float or None
@@ -102,7 +104,7 @@ class TorusComm:
         comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
                  "local": self.local_comm, "cross": self.cross_comm}
         self._executor = Executor(comms, rank, self.segment_bytes, o.timeout)
-        self._shm = SharedMemory(self.comm, rank, size, self.segment_bytes, o.timeout)
+        self._shm = SharedMemory(self.comm, rank, size, o.segment_bytes or None, o.timeout)
         self._across = not o.ranks_per_node and t.nodes > 1  # real nodes: auto's multi-node rule applies
         self._link_gbits = o.link_gbits
         if self._across and self._link_gbits is None:
@@ -144,7 +146,7 @@ class TorusComm:
         if self._across and self._link_gbits is not None:  # set whenever _across is (measured if not told)
             t = self.topology
             across = Nodes(t.nodes, t.max_local, t.node_axis, self._link_gbits)
-        return choose(collective, nbytes, self.size, self.dims, in_place, across)
+        return choose(collective, nbytes, self.size, self.dims, in_place, across, self.topology.nodes == 1)
 
     @property
     def link_gbits(self) -> float | None:
@@ -183,10 +185,16 @@ class TorusComm:
                 self._shapes.clear()
             self._shapes[key] = shape
         algo, mine, pre, scale = shape
-        if self.check:
-            self._agreeing = True
-            agreement.finish(self._announcements, self.rank, self._executor.timeout, spec.name)
-            agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, mine)
+        self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
+        # Over shared memory the signature rides in every step's header (torus/runtime/shm.py), so once the
+        # window is open the separate all-gather is skipped (what that misses: torus/agreement.py).
+        agreement.finish(self._announcements, self.rank, self._executor.timeout, spec.name)
+        if self.check and not (algo == "shm" and self._shm.is_open):
+            try:
+                agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, mine)
+            except agreement.PeerRejected:
+                self._shm.skip_step(True, "")  # that rank spent a shared-memory step on its report
+                raise
         memory = p.memory
         direct = self._direct.get(algo)
         if memory == "device" and (direct is not None or not self._on_gpu(p.count * p.dtype.itemsize)):
@@ -218,7 +226,7 @@ class TorusComm:
 
     def _run_shm(self, name: str, spec, p, out, op: str, scale: float) -> None:
         src = p.src if p.lazy else p.work[p.own] if spec.input_own else p.work
-        self._shm.run(name, spec.name, src, out if spec.output_own else p.work, p.counts, op, scale)
+        self._shm.run(name, spec.name, src, out if spec.output_own else p.work, p.counts, op, scale, self.check)
 
     def _on_gpu(self, nbytes: int) -> bool:
         """Reduce device arrays on the GPU (staged per message) rather than on the host (``gpu_reduce``)."""
@@ -259,6 +267,27 @@ class TorusComm:
         ``rank`` already holds this rank's data. Returns recvbuf.
         """
         return self._call(buffers.ALLGATHER, sendbuf, recvbuf, "sum", algorithm, recvcounts)
+
+    def alloc(self, count: int, dtype=np.float32) -> np.ndarray:
+        """A 1-D numpy array of ``count`` elements of ``dtype`` (uninitialised) that lives in shared memory:
+        an in-place all-reduce of exactly this array (``allreduce(MPI.IN_PLACE, a)`` with ``algorithm`` "shm",
+        or "auto" where it picks shm) reduces straight from the peers' arrays, with no copy in (the fused
+        gradient buffer of a training step is the use). Collective: every rank calls it, with the same count
+        and dtype, in the same order; every rank on one node. Valid until :meth:`Free`; any other call on it
+        (a slice, out of place, reduce-scatter) takes the ordinary path.
+
+        Raises ValueError when the ranks span several nodes or ``count`` is negative, TypeError for a dtype
+        torus does not reduce."""
+        dt = np.dtype(dtype)
+        if dt not in DTYPES:
+            buffers.fail("alloc", self.rank, TypeError, f"dtype {dt} is not one of "
+                                                        f"{', '.join(str(d) for d in DTYPES)}")
+        if count < 0:
+            buffers.fail("alloc", self.rank, ValueError, f"count {count} is negative")
+        if self.topology.nodes > 1:
+            buffers.fail("alloc", self.rank, ValueError, f"shared memory needs every rank on one node; these "
+                                                         f"{self.size} ranks are on {self.topology.nodes} nodes")
+        return self._shm.alloc("alloc", int(count), dt)
 
     def free_buffers(self) -> None:
         """Release the working buffers kept between calls (see the class docstring); the next call allocates

@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-# "shm" (torus/runtime/shm.py: one node, shared memory) is selectable explicitly and through TORUS_ALGO; the
-# table below does not choose it until it has been measured against the others on a quiet machine.
 ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm")
 
 # (largest communicator size the row applies to, largest nbytes, placement the row applies to, algorithm);
@@ -36,11 +34,22 @@ TABLE = (
 )
 
 
+# Where every rank is on one node, these rows come first (same columns): the shared-memory transport
+# (torus/runtime/shm.py) against the rows below, measured with bench/native_peers.py on 2 cores under load
+# (bench/README.md, "Shared memory"): at 2 ranks shm led at every size from 64 KiB to 256 MiB; at 4 ranks
+# (two per core) it tied the schedules at 1 MiB and fell behind above (each step waits until every rank has
+# been scheduled). More than 4 ranks, and 4 ranks with a core each, were not measured. Never across nodes.
+ONE_NODE_TABLE = (
+    (2, None, None, "shm"),
+    (4, 1 << 20, None, "shm"),
+)
+
+
 def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False,
-           across: Nodes | None = None) -> str:
+           across: Nodes | None = None, one_node: bool = False) -> str:
     """The algorithm for one call of ``collective`` on ``nbytes`` bytes over ``size`` ranks in grid ``dims``,
     in place (``sendbuf=MPI.IN_PLACE``) or not; ``across``: the nodes when there are several (then
-    ``across_nodes`` decides, not the table).
+    ``across_nodes`` decides, not the table); ``one_node``: every rank on one node (ONE_NODE_TABLE first).
 
     ``TORUS_ALGO`` (one of ALGORITHMS) overrides both. Raises ValueError for an unknown TORUS_ALGO."""
     forced = os.environ.get("TORUS_ALGO", "")
@@ -54,7 +63,7 @@ def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False
     if across is not None:
         return across_nodes(nbytes, dims, across)
     placement = "in_place" if in_place else "out_of_place"
-    for max_size, max_nbytes, where, algo in TABLE:
+    for max_size, max_nbytes, where, algo in (ONE_NODE_TABLE + TABLE if one_node else TABLE):
         if ((max_size is None or size <= max_size) and (max_nbytes is None or nbytes <= max_nbytes)
                 and where in (None, placement)):
             # A 1 x N or N x 1 grid is a ring: say so rather than pay for the grid bookkeeping.

@@ -127,3 +127,79 @@ def test_torus_algo_selects_it(monkeypatch, rng):
     assert_matches(out, *expected(x, "sum"), "allreduce(auto -> shm)")
     assert tc._shm._seq > 0, "TORUS_ALGO=shm did not run the shared-memory transport"
     tc.Free()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="a peer's argument error needs a second rank")
+@pytest.mark.parametrize("check", [True, False])
+def test_a_peer_that_rejects_its_arguments_is_named_without_the_all_gather(check, rng):
+    """Once the window is open, shm calls skip the argument all-gather: a rank whose own arguments fail
+    (avg on int64) says so in its shm header, the others raise MismatchError naming it. With the check on
+    the ranks stay in step (the next call is right); with it off the transport refuses further calls."""
+    tc = torus.TorusComm(check=check, timeout=60, segment_bytes=4096)
+    x = make(rng, np.int64, "sum", 100)
+    assert_matches(tc.allreduce(x, algorithm="shm"), *expected(x, "sum"), "allreduce(shm) opening the window")
+    if RANK == LAST:
+        with pytest.raises(TypeError, match=f"allreduce on rank {RANK}: "):
+            tc.allreduce(x, op="avg", algorithm="shm")
+    else:
+        with pytest.raises(torus.MismatchError, match=f"allreduce\\(shm\\) on rank {RANK}: rank {LAST} rejected "
+                                                      "its own arguments"):
+            tc.allreduce(x, algorithm="shm")
+    if check:
+        x = make(rng, np.int64, "sum", 5000)
+        assert_matches(tc.allreduce(x, algorithm="shm"), *expected(x, "sum"), "allreduce(shm) after the error")
+    else:
+        with pytest.raises(torus.TorusError, match="unusable after an earlier failure"):
+            tc.allreduce(x, algorithm="shm")
+    WORLD.Barrier()
+    tc.Free()
+
+
+@pytest.fixture(scope="module")
+def alloc_comm():
+    tc = torus.TorusComm(timeout=60, segment_bytes=4096)
+    yield tc
+    tc.Free()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int32, np.float64])
+@pytest.mark.parametrize("count", [0, 1, 7, 30_011])
+def test_an_alloc_buffer_is_reduced_where_it_lies(alloc_comm, dtype, count, rng):
+    """TorusComm.alloc's array, all-reduced in place, matches MPI and the ordinary shm path bit for bit on
+    every rank, call after call with fresh data (so nothing stale survives), between ordinary calls."""
+    tc = alloc_comm
+    a = tc.alloc(count, dtype)
+    assert a.shape == (count,) and a.dtype == np.dtype(dtype)
+    for op in ("sum", "max", "avg" if np.dtype(dtype).kind == "f" else "prod"):
+        x = make(rng, dtype, op, count)
+        a[:] = x
+        plain = x.copy()
+        tc.allreduce(torus.IN_PLACE, plain, op=op, algorithm="shm")
+        out = tc.allreduce(torus.IN_PLACE, a, op=op, algorithm="shm")
+        what = f"allreduce(shm, alloc, {op}, {np.dtype(dtype)}, {count})"
+        assert out is a, what
+        assert_matches(a, *expected(x, op), what)
+        assert a.tobytes() == plain.tobytes(), what
+        assert_same_on_all_ranks(a, what)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")
+def test_an_alloc_buffer_against_an_ordinary_one_is_a_mismatch():
+    tc = torus.TorusComm(check=False, timeout=60)
+    a = tc.alloc(100, np.float32)
+    a[:] = 1
+    buf = a if RANK != LAST else np.ones(100, np.float32)
+    with pytest.raises(torus.MismatchError, match=f"allreduce\\(shm\\) on rank {RANK}: rank [0-9]+ called a "):
+        tc.allreduce(torus.IN_PLACE, buf, algorithm="shm")
+    WORLD.Barrier()
+    tc.Free()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="one rank per node needs two ranks")
+def test_alloc_is_refused_across_nodes():
+    tc = torus.TorusComm(check=False, timeout=10, ranks_per_node=1)
+    with pytest.raises(ValueError, match=f"alloc on rank {RANK}: shared memory needs every rank on one node"):
+        tc.alloc(4, np.float32)
+    with pytest.raises(TypeError, match=f"alloc on rank {RANK}: dtype complex64"):
+        tc.alloc(4, np.complex64)
+    WORLD.Barrier()

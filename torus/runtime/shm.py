@@ -14,15 +14,27 @@ and all-gather: the caller's blocks; all-reduce: ``partition.chunks``), and step
 every chunk. Steps are numbered across calls by one counter ``seq``, which every rank advances by the same
 number of steps per call; step ``s`` uses buffer ``s % 2``:
 
-1. copy in: segment ``i`` of every chunk of the input into our sub-slots (all-gather: of our own chunk), the
-   signature into the header, then ``copied = s`` (store-release);
+1. copy in what the peers need: segment ``i`` of every other rank's chunk into its sub-slot (all-gather: of
+   our own chunk), the signature into the header, then ``copied = s`` (store-release);
 2. wait for every peer's ``copied >= s`` (load-acquire) and compare its signature with ours (collective,
-   dtype, op, counts: a mismatch is a MismatchError even with the argument check off);
-3. reduce our chunk's segment from every rank's sub-slot with the host kernels (src/loops.h): all-reduce
-   into our own sub-slot, ranks in the order ``rank, rank+1, ...``, then ``reduced = s`` (store-release);
-   reduce-scatter straight into the output, ranks in order 0, 1, ...; ``avg``'s scale fused into the last;
+   dtype, op, counts, segment size: a mismatch is a MismatchError even with the argument check off);
+3. reduce our chunk's segment, ranks in the order ``rank, rank+1, ...``, our own part read straight from the
+   input (never copied in), the peers' from their sub-slots, with the host kernels (src/loops.h; the first
+   two in one three-operand pass): all-reduce into our own sub-slot, then ``reduced = s`` (store-release);
+   reduce-scatter straight into the output; ``avg``'s scale fused into the last;
 4. copy out (all-reduce: once that peer's ``reduced >= s``; all-gather: its copy-in is enough) every
    rank's segment into the output.
+
+A wait polls its flag ``SPIN_POLLS`` times before it starts yielding the core after every look, when every
+rank has a core of its own (with more ranks than cores the rank waited for may need this very core).
+
+The argument check: once the window is open TorusComm skips its all-gather for shm calls, since step 1 of
+every step carries the signature. What that catches: another collective, dtype, op, count or recvcounts, or
+segment size (MismatchError on the ranks that see it, at the first step); a rank that rejected its own
+arguments (``announce_error``: its header says so, the others raise agreement.PeerRejected naming it and,
+with the check on, complete the all-gather it posted; that step is spent on every rank so the counters stay
+equal). What it misses against the all-gather: a rank that runs another algorithm (ring, native) while the
+others run shm is a TimeoutError after ``timeout`` s, not a MismatchError; the grid (irrelevant to shm).
 
 Why no barrier between calls: before a rank writes buffer ``s % 2`` at step ``s`` it has waited, in step
 ``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its last read of that
@@ -33,26 +45,29 @@ Each element is reduced once, by the rank owning its chunk, and copied to the ot
 is bitwise identical. A wait that sees no progress for ``timeout`` s raises TimeoutError naming the step
 and the peer; after a stall or a mismatch the transport refuses further calls (its counters disagree).
 
-Cost per byte of an all-reduce on ``p`` ranks: one copy in (every byte), one read of every rank's copy of
-our chunk (``p`` reads of ``1/p`` of the buffer) plus one write, and one copy out (every byte): three
-passes over the buffer and the reduction's reads, against a ring's ``2(p-1)/p`` messages of which each MPI
-moves with one (CMA) or two (bounce buffer) copies. Two flag round trips per step.
+Cost per byte of an all-reduce on ``p`` ranks: one copy in of ``(p-1)/p`` of the buffer, the reduction's
+``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk from the sub-slot it was
+just reduced into, still in cache). Two flag round trips per step.
 
-What to do next to make it fast: offer the buffer *in* the window (a TorusComm method handing out a
-numpy view of this rank's region, e.g. the Keras path's fused gradient buffer): then step 1 disappears
-(peers read the caller's data where it lies, the window holding the whole buffer instead of a segment), and
-an all-reduce costs the reduction's reads plus one copy out. Also: fuse the copy-in of the next segment with
-the copy-out of this one, prefetch while waiting, spin briefly before yielding when ranks <= cores, use
-the out-of-place three-operand kernel to reduce the first two ranks in one pass, and measure the segment size.
+Buffers in the window (``TorusComm.alloc``: one more shared window per buffer, each rank's part its own
+pages): an in-place all-reduce of such a buffer (``run_window`` in src/_shm.pyx) publishes ``copied``, reduces
+its chunk in place straight from the peers' buffers, publishes ``reduced``, copies every peer's chunk from
+its buffer, and ends with a second ``copied`` that every rank waits for, so that no rank writes its buffer
+again (the next step's gradients) while a peer still reads it. No copy in, no segments; two step numbers per
+call; the signature names the buffer (which ``alloc``), so ranks passing different buffers mismatch.
+
+Not done yet (issue 14): the shm phases of hierarchical and torus2d; overlapping the next segment's copy-in
+with this one's copy-out; out-of-place calls from an ``alloc`` buffer (they take the ordinary path).
 """
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
-from torus import faults, kernels
+from torus import agreement, faults, kernels
 from torus._ext import _reduce, _shm  # type: ignore[attr-defined]  # compiled, no stubs
 from torus.errors import MismatchError, TorusError
 from torus.errors import TimeoutError as TorusTimeout
@@ -61,22 +76,40 @@ from torus.partition import chunks, displacements
 
 _MODE = {"allreduce": _shm.ALLREDUCE, "reduce_scatter": _shm.REDUCE_SCATTER, "allgather": _shm.ALLGATHER}
 _PAGE = 4096
+# Signature mode of an in-place all-reduce of the k-th ``alloc`` buffer: this plus k (ranks must agree on it).
+_WINDOW_ALLREDUCE = 16
+# Data bytes per rank and step unless TorusComm's segment_bytes is given. Every rank its own core: small, so
+# a step's window data stays in a core's L2 cache between the copy in, the peers' reduction and the copy out
+# (at 2 ranks 64 MiB, 256 KiB steps took 0.9x the time of 1 MiB steps). More ranks than cores: each step
+# waits for every rank to be scheduled, so fewer, larger steps (bench/README.md, "Shared memory").
+SEGMENT_BYTES = 256 << 10
+OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
+# Polls of a flag before a wait starts yielding its core, when every rank of the node has a core of its own
+# (up to about 1 ms on current x86: on a busy machine a yield can cost a whole time slice; 2,000 polls left
+# 64 KiB at 25 us against 18 us); with more ranks than cores a wait yields at once.
+SPIN_POLLS = 20000
 
 
 class SharedMemory:
     """The shared-memory transport of one TorusComm: ``comm`` (its duplicated communicator, every rank on
-    one node), ``segment_bytes`` (data bytes per rank and step; rounded up to a multiple of ``64 * size``),
+    one node), ``segment_bytes`` (data bytes per rank and step, None: SEGMENT_BYTES, or
+    OVERSUBSCRIBED_SEGMENT_BYTES with more ranks than cores; rounded up to a multiple of ``64 * size``),
     ``timeout`` (seconds without progress before TimeoutError; None waits forever)."""
 
-    def __init__(self, comm: MPI.Intracomm, rank: int, size: int, segment_bytes: int, timeout: float | None):
+    def __init__(self, comm: MPI.Intracomm, rank: int, size: int, segment_bytes: int | None,
+                 timeout: float | None):
         self.comm, self.rank, self.size, self.timeout = comm, rank, size, timeout
+        own_cores = size <= (os.cpu_count() or 1)
+        self.spin = SPIN_POLLS if own_cores else 0
+        seg = segment_bytes or (SEGMENT_BYTES if own_cores else OVERSUBSCRIBED_SEGMENT_BYTES)
         line = 64 * size
-        self.slot_bytes = -(-segment_bytes // line) * line
+        self.slot_bytes = -(-seg // line) * line
         self._win: MPI.Win | None = None
         self._bases = np.zeros(0, np.int64)
         self._seq = 0
         self._broken = ""
         self._chunks: dict = {}
+        self._buffers: dict = {}  # address of an alloc buffer -> (window, every rank's address, nbytes, index)
 
     def _open(self, what: str) -> None:
         rank, size = self.rank, self.size
@@ -115,15 +148,42 @@ class SharedMemory:
             hit = self._chunks[count] = (np.array(c, np.int64), np.array(d, np.int64))
         return hit
 
+    @property
+    def is_open(self) -> bool:
+        """The window is set up (every rank's is: set-up is collective)."""
+        return self._win is not None
+
+    def announce_error(self, check: bool) -> None:
+        """This rank rejected its own arguments to a call the others may run over shared memory: its header
+        at the next step says so (they raise agreement.PeerRejected). That step is then spent on every rank
+        (``skip_step``); with ``check`` off nothing synchronises the ranks after it, so the transport refuses
+        further calls instead."""
+        if self._win is None or self._broken:
+            return
+        _shm.announce_error(int(self._bases[self.rank]), self.slot_bytes, self._seq)
+        self.skip_step(check, "this rank rejected its own arguments")
+
+    def skip_step(self, check: bool, why: str) -> None:
+        """A peer's argument error took the next step (the all-gather of its report, completed with ``check``
+        on, is what orders every rank's later writes after the others' reads); without ``check``, refuse."""
+        if self._win is None:
+            return
+        if check:
+            self._seq += 1
+        else:
+            self._broken = self._broken or why
+
     def run(self, what: str, collective: str, src: np.ndarray, out: np.ndarray, counts, op: str,
-            scale: float) -> None:
+            scale: float, check: bool) -> None:
         """One collective (``collective``: allreduce, reduce_scatter, allgather; ``what`` names it in errors)
         from host ``src`` into host ``out`` (1-D, same dtype; may be the same array): all-reduce ``src`` and
         ``out`` hold every element; reduce-scatter ``src`` every block and ``out`` this rank's; all-gather
         ``src`` this rank's block and ``out`` every block, this rank's already in place. ``counts``: the
-        blocks (None for all-reduce). ``scale`` multiplies the reduced result (avg).
+        blocks (None for all-reduce). ``scale`` multiplies the reduced result (avg). ``check``: the
+        TorusComm's argument check is on (a peer that rejected its own arguments then posted its report).
 
-        Raises TimeoutError (a peer stalled: step and peer named), MismatchError (a peer ran another call),
+        Raises TimeoutError (a peer stalled: step and peer named), MismatchError (a peer ran another call;
+        agreement.PeerRejected: a peer rejected its own arguments),
         TorusError (the transport failed before), ValueError (the ranks span several nodes)."""
         if self._broken:
             raise TorusError(f"{what} on rank {self.rank}: the shared-memory transport is unusable after an "
@@ -133,19 +193,36 @@ class SharedMemory:
         mode = _MODE[collective]
         c, d = self._layout(what, out.size, counts)
         item = out.itemsize
-        seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
         kind = _reduce.kind(out)
-        sig = zlib.crc32(c.tobytes(), (mode << 16) | (kind << 8) | OPS.index(op))
-        status, step, peer, nsteps = _shm.run(
-            self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes, mode,
-            kind, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self._seq, sig)
+        window = self._buffers.get(out.ctypes.data) if mode == _shm.ALLREDUCE and src is out else None
+        if window is not None and window[2] == out.nbytes:  # the caller's buffer lives in shared memory
+            mode = _WINDOW_ALLREDUCE + window[3]
+        sig = zlib.crc32(c.tobytes(), zlib.crc32(self.slot_bytes.to_bytes(8, "little"),
+                                                 (mode << 16) | (kind << 8) | OPS.index(op)))
+        args = (kind, item, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin,
+                self._seq, sig)
+        if window is not None and mode >= _WINDOW_ALLREDUCE:
+            (status, step, peer), nsteps = _shm.run_window(self._bases, window[1], self.rank, c, d,
+                                                           self.slot_bytes, *args), 2
+        else:
+            seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
+            status, step, peer, nsteps = _shm.run(
+                self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes,
+                mode, *args[:1], *args[2:])
         if status == _shm.DONE:
             self._seq += nsteps
             return
-        if status == _shm.MISMATCH:
+        if status == _shm.PEER_ERROR and step == 0:
+            if check:  # complete the all-gather that rank posted with its report (agreement.reports_errors)
+                agreement.join(self.comm, self.rank, self.size, self.timeout, what)
+            self.skip_step(check, f"rank {peer} rejected its own arguments")
+            raise agreement.PeerRejected(f"{what} on rank {self.rank}: rank {peer} rejected its own arguments "
+                                         "to this call (see the error there)")
+        if status in (_shm.MISMATCH, _shm.PEER_ERROR):
             self._broken = f"rank {peer} made a different call"
             raise MismatchError(f"{what} on rank {self.rank}: rank {peer} called a different collective, dtype, "
-                                f"op or counts over shared memory at step {step + 1}/{nsteps}")
+                                f"op or counts (or a buffer from another alloc) over shared memory at step "
+                                f"{step + 1}/{nsteps}")
         waited = "copy in its input" if status == _shm.STALLED_COPY else "publish its reduced chunk"
         self._broken = f"rank {peer} stalled"
         raise TorusTimeout(f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step "
@@ -153,8 +230,28 @@ class SharedMemory:
                            "(a peer died, stalled or called a different collective); the communicator is "
                            "unusable now, abort the job")
 
+    def alloc(self, what: str, count: int, dtype: np.dtype) -> np.ndarray:
+        """``count`` elements of ``dtype`` (uninitialised) in a new shared window of the node (collective):
+        an in-place all-reduce of exactly this array reads the peers' data where it lies (no copy in)."""
+        if self._win is None:
+            self._open(what)
+        nbytes = count * dtype.itemsize
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            win = MPI.Win.Allocate_shared(max(-(-nbytes // _PAGE) * _PAGE, _PAGE), 1, info, comm=self.comm)
+        finally:
+            info.Free()
+        data = np.array([win.Shared_query(q)[0].address for q in range(self.size)], np.int64)
+        array = np.frombuffer(win.tomemory(), dtype, count)  # type: ignore[call-overload]  # mpi4py buffer
+        self._buffers[array.ctypes.data] = (win, data, nbytes, len(self._buffers))
+        return array
+
     def free(self) -> None:
-        """Release the window (collective over the node's ranks, when it was set up)."""
+        """Release the window and every ``alloc`` buffer (collective over the node's ranks, when set up)."""
+        for win, *_ in self._buffers.values():
+            win.Free()
+        self._buffers.clear()
         if self._win is not None:
             self._win.Free()
             self._win = None
