@@ -12,18 +12,18 @@ the compiled plan, stage out.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 from mpi4py import MPI
 
 from torus import agreement, buffers, kernels, link, options
-from torus.ops import DTYPES, avg_factors
 from torus.runtime import memory
 from torus.runtime.executor import Executor
 from torus.runtime.shm import SharedMemory
-from torus.schedules.build import build, effective
-from torus.select import ALGORITHMS, Nodes, choose
+from torus.select import Nodes, choose
+from torus.shapes import Shapes
 
 # GPU buffers from this size (bytes) are reduced on the GPU by default (see gpu_reduce, bench/README.md).
 GPU_REDUCE_MIN_BYTES = 16 << 20
@@ -104,39 +104,17 @@ class TorusComm:
         comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
                  "local": self.local_comm, "cross": self.cross_comm}
         self._executor = Executor(comms, rank, self.segment_bytes, o.timeout)
+        self._buffer = functools.partial(memory.buffer, self._executor)  # (kind, name, count, dtype) -> array
         self._shm = SharedMemory(self.comm, rank, size, o.segment_bytes or None, o.timeout)
         self._across = not o.ranks_per_node and t.nodes > 1  # real nodes: auto's multi-node rule applies
-        self._link_gbits = o.link_gbits
-        if self._across and self._link_gbits is None:
-            # here, where every rank is known to take part, rather than at the first auto call, where a rank
-            # that failed its local checks would leave the others waiting in the measurement
-            self._link_gbits = link.measure(self.comm, rank, (0, t.node_of.index(1)), o.timeout)
+        # measured here, where every rank is known to take part (see link.for_nodes)
+        self._link_gbits = link.for_nodes(self.comm, t, o.link_gbits, o.timeout) if self._across else o.link_gbits
         # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
         # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
         self._direct = {"native": self._run_native, "shm": self._run_shm}
-        self._plans: dict = {}
-        self._shapes: dict = {}  # call shape -> _shape(...)
+        self._shapes = Shapes(t, self.segment_bytes, self.auto_choice)
         self._agreeing = False
         self._announcements: list = []  # error reports posted and not yet completed (agreement.py)
-
-    def _shape(self, what: str, algorithm: str, op: str, p) -> tuple:
-        """``(algorithm, signature, pre, post)`` of a call shape, kept per shape by ``_call``: choosing costs
-        about a tenth of a small native call, and ``TORUS_ALGO`` is therefore read when a shape is first seen."""
-        if algorithm == "auto":
-            algo = self.auto_choice(what, p.count * p.dtype.itemsize, p.in_place)
-        elif algorithm not in ALGORITHMS:
-            buffers.fail(what, self.rank, ValueError, f"unknown algorithm {algorithm!r}; expected auto or one "
-                                                      f"of {', '.join(ALGORITHMS)}")
-        else:
-            algo = algorithm
-        if algo == "shm" and self.topology.nodes > 1:
-            buffers.fail(what, self.rank, ValueError, f"algorithm 'shm' needs every rank on one node; these "
-                                                      f"{self.size} ranks are on {self.topology.nodes} nodes "
-                                                      "(use ring, hierarchical or torus2d)")
-        algo = effective(what, algo, self.topology)
-        mine = agreement.signature(what, algo, op, p.dtype, p.count, p.counts, self.segment_bytes, self.dims[0])
-        pre, post = avg_factors(p.dtype, self.size) if op == "avg" else (1.0, 1.0)
-        return algo, mine, pre, post
 
     def auto_choice(self, collective: str, nbytes: int, in_place: bool = False) -> str:
         """What ``algorithm="auto"`` runs for ``collective`` on ``nbytes`` bytes (torus/select.py), before the
@@ -154,37 +132,10 @@ class TorusComm:
         made; None on one node or emulated nodes when not told."""
         return self._link_gbits
 
-    def _plan(self, what: str, algo: str, counts, itemsize: int):
-        """The compiled plan of one call, cached: training repeats the same few shapes every step, and a
-        plan is a pure function of (collective, algorithm, counts, itemsize) on a given rank and grid."""
-        key = (what, algo, counts, itemsize)
-        compiled = self._plans.get(key)
-        if compiled is None:
-            if len(self._plans) >= 256:  # bounded: a sweep over many sizes must not grow without limit
-                self._plans.clear()
-            total = counts if isinstance(counts, int) else sum(counts)
-            compiled = self._plans[key] = self._executor.compile(build(what, algo, self.topology, counts),
-                                                                 itemsize, total)
-        return compiled
-
-    def _buffer(self, kind: str, name: str, count: int, dtype):
-        if kind == "host":
-            return self._executor.buffer(name, count * dtype.itemsize).view(dtype)
-        if kind == "pinned":
-            return memory.pinned(self._executor, name, count * dtype.itemsize).view(dtype)
-        return memory.device_buffer(self._executor, name, count, dtype)
-
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
         """Resolve, choose, agree and run one call; returns what the collective returns."""
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)
-        key = (spec.name, algorithm, op, p.dtype, p.count, p.in_place, p.counts and tuple(p.counts))
-        shape = self._shapes.get(key)
-        if shape is None:  # first call of this shape: choose, build the signature (decided once per shape)
-            shape = self._shape(spec.name, algorithm, op, p)
-            if len(self._shapes) >= 4096:
-                self._shapes.clear()
-            self._shapes[key] = shape
-        algo, mine, pre, scale = shape
+        algo, mine, pre, scale = self._shapes.get(spec.name, algorithm, op, p)
         self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
         # Over shared memory the signature rides in every step's header (torus/runtime/shm.py), so once the
         # window is open the separate all-gather is skipped (what that misses: torus/agreement.py).
@@ -195,24 +146,24 @@ class TorusComm:
             except agreement.PeerRejected:
                 self._shm.skip_step(True, "")  # that rank spent a shared-memory step on its report
                 raise
-        memory = p.memory
+        kind = p.memory
         direct = self._direct.get(algo)
-        if memory == "device" and (direct is not None or not self._on_gpu(p.count * p.dtype.itemsize)):
-            memory = "staged"
-        buffers.bind(p, spec, memory, self._buffer, lazy_ok=algo != "native" and pre == 1.0)
+        if kind == "device" and (direct is not None or not self._on_gpu(p.count * p.dtype.itemsize)):
+            kind = "staged"
+        buffers.bind(p, spec, kind, self._buffer, lazy_ok=algo != "native" and pre == 1.0)
         buffers.stage_in(p, spec)
         if pre != 1.0 and p.count:  # avg: pre-scale so partial sums cannot overflow (ops.avg_factors)
             kernels.scale(p.work, pre)
         name = f"{spec.name}({algo})"
         if direct is not None:
-            out = p.out if memory == "host" or p.out is None else self._buffer("pinned", "stage out",
+            out = p.out if kind == "host" or p.out is None else self._buffer("pinned", "stage out",
                                                                               p.out.size, p.dtype)
             direct(name, spec, p, out, op, scale)
             result = out if spec.output_own else p.work
         else:
-            plan = self._plan(spec.name, algo, p.count if p.counts is None else tuple(p.counts),
-                              p.dtype.itemsize)
-            if memory == "device":
+            plan = self._executor.plan(spec.name, algo, self.topology,
+                                       p.count if p.counts is None else tuple(p.counts), p.dtype.itemsize)
+            if kind == "device":
                 self._executor.run_device(name, plan, p.work, op, scale)
             else:
                 self._executor.run(name, plan, p.work, op, scale, p.src if p.lazy else None,
@@ -278,16 +229,7 @@ class TorusComm:
 
         Raises ValueError when the ranks span several nodes or ``count`` is negative, TypeError for a dtype
         torus does not reduce."""
-        dt = np.dtype(dtype)
-        if dt not in DTYPES:
-            buffers.fail("alloc", self.rank, TypeError, f"dtype {dt} is not one of "
-                                                        f"{', '.join(str(d) for d in DTYPES)}")
-        if count < 0:
-            buffers.fail("alloc", self.rank, ValueError, f"count {count} is negative")
-        if self.topology.nodes > 1:
-            buffers.fail("alloc", self.rank, ValueError, f"shared memory needs every rank on one node; these "
-                                                         f"{self.size} ranks are on {self.topology.nodes} nodes")
-        return self._shm.alloc("alloc", int(count), dt)
+        return self._shm.alloc("alloc", count, dtype, self.topology.nodes)
 
     def free_buffers(self) -> None:
         """Release the working buffers kept between calls (see the class docstring); the next call allocates

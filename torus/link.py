@@ -64,3 +64,12 @@ def measure(comm: MPI.Comm, rank: int, leaders: tuple, timeout: float | None) ->
     req = comm.Ibcast(gbits, root=leaders[0])
     faults.wait(req, timeout, stall)
     return float(gbits[0])
+
+
+def for_nodes(comm: MPI.Comm, topology, told: float | None, timeout: float | None) -> float:
+    """The link speed ``auto`` uses across real nodes: ``told``, else measured between the leaders of nodes 0
+    and 1. Called where every rank is known to take part (TorusComm's constructor): at the first auto call a
+    rank that failed its local checks would leave the others waiting in the measurement. Collective."""
+    if told is not None:
+        return told
+    return measure(comm, topology.rank, (0, topology.node_of.index(1)), timeout)

@@ -12,6 +12,7 @@ from torus.ops import OP_CODE
 from torus.runtime import c_step_loop, interpreter
 from torus.runtime.compile import CompiledPlan, _Message, compile_plan
 from torus.runtime.memory import DeviceMemory, HostMemory, copy_untouched
+from torus.schedules.build import build
 
 
 class Executor:
@@ -23,6 +24,7 @@ class Executor:
         self.segment_bytes = segment_bytes
         self.timeout = timeout
         self._buffers: dict = {}
+        self._plans: dict = {}
         self.c_loop = True  # run host buffers through the C step loop when it is available (tests turn it off)
 
     def buffer(self, name, nbytes: int, alloc=None):
@@ -43,6 +45,18 @@ class Executor:
         tables when it will run the plan)."""
         table = c_step_loop.table if c_step_loop.AVAILABLE and self.c_loop else None
         return compile_plan(plan, self.comms, self.segment_bytes, itemsize, count, table)
+
+    def plan(self, what: str, algo: str, topology, counts, itemsize: int) -> CompiledPlan:
+        """The compiled plan of ``schedules.build(what, algo, topology, counts)``, cached: training repeats the
+        same few shapes every step, and a plan is a pure function of these on a given rank and grid."""
+        key = (what, algo, counts, itemsize)
+        compiled = self._plans.get(key)
+        if compiled is None:
+            if len(self._plans) >= 256:  # bounded: a sweep over many sizes must not grow without limit
+                self._plans.clear()
+            total = counts if isinstance(counts, int) else sum(counts)
+            compiled = self._plans[key] = self.compile(build(what, algo, topology, counts), itemsize, total)
+        return compiled
 
     def _stall(self, what: str, step: int, nsteps: int, msg: _Message) -> str:
         return (f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step {step + 1}/{nsteps} "

@@ -195,3 +195,13 @@ class DeviceMemory(_Scaled):
 
     def finish(self) -> None:
         pass
+
+
+def buffer(executor, kind: str, name: str, count: int, dtype):
+    """``count`` elements of ``dtype`` of ``executor``'s reusable memory of ``kind``: "host" (numpy), "pinned"
+    (page-locked host memory) or "device" (a numba device array)."""
+    if kind == "host":
+        return executor.buffer(name, count * dtype.itemsize).view(dtype)
+    if kind == "pinned":
+        return pinned(executor, name, count * dtype.itemsize).view(dtype)
+    return device_buffer(executor, name, count, dtype)

@@ -71,7 +71,7 @@ from torus import agreement, faults, kernels
 from torus._ext import _reduce, _shm  # type: ignore[attr-defined]  # compiled, no stubs
 from torus.errors import MismatchError, TorusError
 from torus.errors import TimeoutError as TorusTimeout
-from torus.ops import OP_CODE, OPS
+from torus.ops import DTYPES, OP_CODE, OPS
 from torus.partition import chunks, displacements
 
 _MODE = {"allreduce": _shm.ALLREDUCE, "reduce_scatter": _shm.REDUCE_SCATTER, "allgather": _shm.ALLGATHER}
@@ -230,9 +230,20 @@ class SharedMemory:
                            "(a peer died, stalled or called a different collective); the communicator is "
                            "unusable now, abort the job")
 
-    def alloc(self, what: str, count: int, dtype: np.dtype) -> np.ndarray:
+    def alloc(self, what: str, count: int, dtype, nodes: int) -> np.ndarray:
         """``count`` elements of ``dtype`` (uninitialised) in a new shared window of the node (collective):
-        an in-place all-reduce of exactly this array reads the peers' data where it lies (no copy in)."""
+        an in-place all-reduce of exactly this array reads the peers' data where it lies (no copy in).
+        ``nodes``: how many nodes the ranks span (refused unless 1)."""
+        dtype = np.dtype(dtype)
+        if dtype not in DTYPES:
+            raise TypeError(f"{what} on rank {self.rank}: dtype {dtype} is not one of "
+                            f"{', '.join(str(d) for d in DTYPES)}")
+        if count < 0:
+            raise ValueError(f"{what} on rank {self.rank}: count {count} is negative")
+        if nodes > 1:
+            raise ValueError(f"{what} on rank {self.rank}: shared memory needs every rank on one node; these "
+                             f"{self.size} ranks are on {nodes} nodes")
+        count = int(count)
         if self._win is None:
             self._open(what)
         nbytes = count * dtype.itemsize
