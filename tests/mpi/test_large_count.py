@@ -58,7 +58,7 @@ def test_no_message_reaches_the_int_limit(case):
     and the messages of each step cover whole chunks (nothing is dropped by the cut)."""
     tc, algo = torus_comm(case, segment_bytes=2**31 - 1)
     count = 2**33 + 5
-    plan = tc._plan("allreduce", algo, count, 4)
+    plan = tc._executor.plan("allreduce", algo, tc.topology, count, 4)
     sizes = [(m.hi - m.lo) * 4 for st in plan.steps for m in st.sends + st.recvs]
     if SIZE > 1:
         assert max(sizes) <= 2**31 - 1 and max(sizes) > 2**30

@@ -81,5 +81,5 @@ def test_the_c_loop_is_used_where_built():
         pytest.skip("TORUS_C_LOOP=0: the Python loop on purpose")
     assert cloop.AVAILABLE, f"the C step loop is not used: {cloop.WHY_NOT} (see setup.py: step_loop)"
     tc, _ = torus_comm("ring")
-    plan = tc._plan("allreduce", "ring", 100, 4)
+    plan = tc._executor.plan("allreduce", "ring", tc.topology, 100, 4)
     assert plan.table is not None
