@@ -101,6 +101,24 @@ cdef inline int64_t _piece(int64_t count, int64_t lo, int64_t seg) noexcept nogi
     return 0 if n <= 0 else (seg if n > seg else n)
 
 
+cdef int _join(const int64_t[::1] bases, int rank, int P, uint64_t cur, uint64_t sig, int64_t header_off,
+               double timeout, int spin, int* peer) noexcept nogil:
+    """Wait for every peer's ``copied >= cur`` and compare the signature in its header at ``header_off``:
+    DONE, or STALLED_COPY / PEER_ERROR / MISMATCH with ``peer[0]`` the first peer found so."""
+    cdef int k, q
+    cdef uint64_t theirs
+    for k in range(1, P):
+        q = (rank + k) % P
+        if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin):
+            peer[0] = q
+            return STALLED_COPY
+        theirs = (<uint64_t*>(<char*>bases[q] + header_off))[0]
+        if theirs != sig:
+            peer[0] = q
+            return PEER_ERROR if theirs == _ERROR_SIG else MISMATCH
+    return DONE
+
+
 def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarray out not None,
         const int64_t[::1] counts, const int64_t[::1] displs, int64_t seg, int64_t stride, int64_t slot_bytes,
         int mode, int kind, int op, double scale, int nthreads, double timeout, int spin, uint64_t seq,
@@ -150,15 +168,7 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
             (<uint64_t*>mine)[0] = sig
             torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur)
             # Wait for every peer's input; check it is the same call.
-            for k in range(1, P):
-                q = (rank + k) % P
-                if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin):
-                    status, peer = STALLED_COPY, q
-                    break
-                theirs = (<uint64_t*>(<char*>bases[q] + buf_off))[0]
-                if theirs != sig:
-                    status, peer = (PEER_ERROR if theirs == _ERROR_SIG else MISMATCH), q
-                    break
+            status = _join(bases, rank, P, cur, sig, buf_off, timeout, spin, &peer)
             if status:
                 break
             # Reduce this rank's chunk, ranks in the order rank, rank + 1, ...: our own part straight from src,
@@ -227,15 +237,8 @@ def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, cons
     with nogil:
         (<uint64_t*>(<char*>bases[rank] + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0] = sig
         torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur)
-        for k in range(1, P):
-            q = (rank + k) % P
-            if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin):
-                status, peer = STALLED_COPY, q
-                break
-            theirs = (<uint64_t*>(<char*>bases[q] + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0]
-            if theirs != sig:
-                status, peer = (PEER_ERROR if theirs == _ERROR_SIG else MISMATCH), q
-                break
+        status = _join(bases, rank, P, cur, sig, FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes), timeout,
+                       spin, &peer)
         if status == DONE:
             phase = 1
             acc = mine + displs[rank] * item
