@@ -2,6 +2,7 @@
 
     python bench/cluster_sweep.py                        # as root; the default sweep (about 6 minutes)
     python bench/cluster_sweep.py --rates 1gbit --layouts 2x2 --iters 3   # a shorter one
+    python bench/cluster_sweep.py --iters 40 --max-bytes 256K --sim none --out /tmp/small   # small sizes, more runs
 
 For each rate and layout (HOSTSxRANKS_PER_HOST) it brings up an emulated cluster (tests/cluster: network
 namespaces on a bridge, ``tc tbf`` on every host link, TCP between hosts), runs
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=5, help="timed iterations per size (torus-bench -n)")
     ap.add_argument("--sim", default="2x2", help="layouts where torus-sim --fit and --validate run too")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results")
+    ap.add_argument("--max-bytes", default="64M", help="largest size (torus-bench -e; default 64M)")
     ap.add_argument("--limit", type=int, default=180, help="seconds each torus-bench run may take")
     args = ap.parse_args(argv)
     why = unavailable()
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
                 launch = cluster.mpiexec(ppn) + ["-n", str(hosts * ppn)]
                 load = os.getloadavg()
                 t0 = time.monotonic()
-                rc, log = _run(tag, launch + [bench, "allreduce", "-b", "64K", "-e", "64M", "-f", "4", "-n",
+                rc, log = _run(tag, launch + [bench, "allreduce", "-b", "64K", "-e", args.max_bytes, "-f", "4", "-n",
                                               str(args.iters), "-w", "1", "--algo", ALGOS, "--json",
                                               str(json_path)], args.limit)
                 took = time.monotonic() - t0

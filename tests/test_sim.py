@@ -96,14 +96,15 @@ def test_symmetric_ranks_finish_together():
         assert len(set(end.values())) == 1
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("X,Y,L", [(4, 6, 2), (8, 8, 4), (1, 24, 4), (24, 1, 3)])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("collective", COLLECTIVES)
-def test_orbit_equals_full_replay(X, Y, L, algorithm, collective):
+def test_orbit_equals_full_replay(X, Y, L, algorithm, collective, shared):
     """The fast path (representatives + rotation, vectorized clocks) gives exactly the full replay's
-    numbers, with uneven chunks, two levels and segmentation."""
+    numbers, with uneven chunks, two levels and segmentation, with and without shared node links."""
     layout = Layout(X, Y, L)
-    cost = Cost(1e-6, 1e-10, 3e-10, 5e-6, 4e-10, segment_bytes=256)
+    cost = Cost(1e-6, 1e-10, 3e-10, 5e-6, 4e-10, segment_bytes=256, shared_links=shared)
     for count in (layout.N - 1, 37 * layout.N + 5):
         full = simulate(algorithm, collective, layout, count, "float32", cost, "full").as_dict()
         fast = simulate(algorithm, collective, layout, count, "float32", cost, "orbit").as_dict()
@@ -182,3 +183,22 @@ def test_fit_alpha_beta_recovers_line():
     from torus.sim.fit import fit_alpha_beta
     sizes = [4 ** k for k in range(1, 12)]
     assert fit_alpha_beta([(b, 3e-6 + 2e-10 * b) for b in sizes]) == pytest.approx((3e-6, 2e-10), rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["full", "orbit"])
+@pytest.mark.parametrize("X,Y", [(2, 2), (3, 2), (4, 3)])
+def test_shared_links_divide_the_link_among_a_nodes_crossing_ranks(X, Y, method):
+    """Rows inside nodes (``ranks_per_node = X``): in the 2D torus every rank of a node crosses at the same
+    steps (the column phase), so with shared links each message moves at 1/X of the link: the same time as
+    unshared links X times slower. The hierarchical schedule crosses from the leaders only: no change."""
+    layout = Layout(X, Y, X)
+    count = 101 * layout.N + 7
+    cost = Cost(1e-6, 1e-10, 3e-10, 5e-6, 4e-10)
+
+    def time(algorithm, **kw):
+        c = Cost(**{**cost.__dict__, **kw})
+        return simulate(algorithm, "allreduce", layout, count, "float32", c, method).time
+
+    assert time("torus2d", shared_links=True) == pytest.approx(time("torus2d", inter_beta=X * 4e-10), rel=1e-12)
+    assert time("torus2d", shared_links=True) > time("torus2d")
+    assert time("hierarchical", shared_links=True) == pytest.approx(time("hierarchical"), rel=1e-12)

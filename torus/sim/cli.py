@@ -92,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
                     "(default: --alpha)")
     ap.add_argument("--inter-beta", type=float, default=None, help="seconds per byte between nodes "
                     "(default: --beta)")
+    ap.add_argument("--shared-links", action="store_true",
+                    help="ranks of a node crossing to other nodes at the same step share its link (default: "
+                         "each message gets the whole link, as the closed forms assume)")
     ap.add_argument("--segment-bytes", type=_size, default=None, metavar="SIZE",
                     help="pipelining unit in bytes (default: none, whole chunks)")
     ap.add_argument("--params", default=None, metavar="FILE",

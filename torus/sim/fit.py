@@ -30,6 +30,7 @@ on TorusComm's nodes (``layout_of``). Both write rank 0's numbers to ``--json``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -250,6 +251,8 @@ def main(args, cost: Cost) -> int:
                   "fit at the rank count you validate (see torus/sim/fit.py)")
         if params.get("alpha_executor") is not None:
             costs["executor"] = Cost(**{**costs["fit"].__dict__, "alpha": params["alpha_executor"]})
+    if layout_of(tc).nodes > 1:  # across nodes: also with a node's link shared by its ranks (model.Cost)
+        costs["shared"] = dataclasses.replace(costs["fit"], shared_links=True)
     rows = validate(tc, costs)
     if rank == 0:
         print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {layout_of(tc).nodes} node(s) in the model, {load}; "

@@ -32,13 +32,17 @@ class SimulationError(TorusError):
 @dataclass(frozen=True)
 class Cost:
     """Seconds per message (alpha), per byte moved (beta), per byte reduced (gamma); inter_* for messages
-    between nodes (default: the same as intra-node); segment_bytes: pipelining unit, None for none."""
+    between nodes (default: the same as intra-node); segment_bytes: pipelining unit, None for none;
+    shared_links: ranks of one node sending (or receiving) across nodes at the same step share the node's
+    link, each at its share of ``1 / inter_beta`` (replay.py); off, every message gets the whole link (the
+    closed forms' assumption)."""
     alpha: float = 1e-6
     beta: float = 1e-10
     gamma: float = 0.0
     inter_alpha: float | None = None
     inter_beta: float | None = None
     segment_bytes: int | None = None
+    shared_links: bool = False
 
     def link(self, crossing):
         """(α, β) for a message, or arrays of them for a boolean array ``crossing``."""

@@ -115,6 +115,7 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None, win
     for (_, _, dst), lst in recvs.items():
         st["reduced"][pos[dst]] += sum(c for _, c, red in lst if red) * itemsize
 
+    shares = _step_shares(steps, layout) if cost.shared_links else None
     start = start or {}
     clock = {r: [start.get(r, (0.0, 0))] for r in ranks}  # (time, depth) at the start of each step
     port = {r: clock[r][0][0] for r in ranks}  # when each rank's send port is free
@@ -131,7 +132,10 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None, win
                 return False
             tr, dr = clock[dst][ds]
             nbytes = sends[key][k][1] * itemsize
-            alpha, beta = cost.link(layout.node(q) != layout.node(dst))
+            crossing = layout.node(q) != layout.node(dst)
+            alpha, beta = cost.link(crossing)
+            if crossing and shares:
+                beta *= max(shares[0][layout.node(q), sq], shares[1][layout.node(dst), ds])
             begin = max(tq, tr, free)
             if prev is not None and prev[0] == key:  # the next segment of the same message
                 begin = max(begin, prev[1] + alpha + beta * prev[2])
@@ -161,7 +165,11 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None, win
             arrive, depth = posted[(key, k)]
             _, count, reduce = recvs[key][k]
             nbytes = count * itemsize
-            _, beta = cost.link(layout.node(key[1]) != layout.node(r))
+            crossing = layout.node(key[1]) != layout.node(r)
+            _, beta = cost.link(crossing)
+            if crossing and shares:
+                beta *= max(shares[0][layout.node(key[1]), sends[key][k][0] - (window or {}).get(key[1], (0, 0))[0]],
+                            shares[1][layout.node(r), s])
             rport = max(arrive, rport + beta * nbytes)
             end = rport
             if reduce:
@@ -208,10 +216,41 @@ def _message(cost: Cost, count, itemsize: int, alpha, beta):
     return k, lead + alpha + beta * last, lead + beta * last, exposed
 
 
+def _step_shares(steps, layout: Layout) -> tuple:
+    """``(out, into)``: {(node, step): the ranks of that node sending / receiving a message to / from another
+    node at that step}, over ``match``'s steps (one rank's own messages already queue at its port, so ranks,
+    not messages, share the link); see ``_sharing``."""
+    out: dict = defaultdict(set)
+    into: dict = defaultdict(set)
+    for r, (per_step, _) in steps.items():
+        for s, (sent, received) in enumerate(per_step):
+            for key, _ in sent:
+                if layout.node(key[1]) != layout.node(key[2]):
+                    out[(layout.node(r), s)].add(r)
+            for key, _ in received:
+                if layout.node(key[1]) != layout.node(key[2]):
+                    into[(layout.node(r), s)].add(r)
+    return ({k: len(v) for k, v in out.items()}, {k: len(v) for k, v in into.items()})
+
+
+def _sharing(node, src, crossing):
+    """Per receiver: how many ranks with a message between nodes at this step share the busier of its two
+    node links (the sender's node's way out, the receiver's node's way in), 1 for a message within a node.
+    Each gets that share of the link's rate: on the emulated cluster two ranks of a host sending across at
+    once each moved at half the rate (bench/README.md, "Across hosts")."""
+    if not crossing.any():
+        return np.ones(node.size)
+    nodes = int(node.max()) + 1
+    out = np.bincount(node[src][crossing], minlength=nodes)  # messages leaving each node
+    into = np.bincount(node[crossing], minlength=nodes)  # messages entering each node
+    return np.where(crossing, np.maximum(out[node[src]], into[node]), 1)
+
+
 def lockstep(a, layout: Layout, cost: Cost, itemsize: int, t0=None, d0=None):
     """The same recurrence for step-aligned ``Arrays`` (a message sent at step ``s`` is received at step
     ``s``; at most one message each way per rank and step, so no port contention within a step; ``a.until``
-    the deadline step of each send, as compile_plan sets it): one numpy pass per step.
+    the deadline step of each send, as compile_plan sets it): one numpy pass per step. Unlike ``full`` it
+    shares a node's link among the step's messages between nodes (``_sharing``) with ``cost.shared_links``.
 
     Returns ``(time, depth, stats)``: per-rank end times and depths and the per-rank statistics of ``full``.
     Raises SimulationError when a send is not received at the same step.
@@ -236,7 +275,10 @@ def lockstep(a, layout: Layout, cost: Cost, itemsize: int, t0=None, d0=None):
             raise SimulationError(f"torus-sim on rank {a.world[i]}: its send at step {s} is not received at "
                                   "that step; the plan is not step-aligned")
         nbytes = rb * itemsize
-        alpha, beta = cost.link(node[src] != node)
+        crossing = has & (node[src] != node)
+        alpha, beta = cost.link(crossing)
+        if cost.shared_links:
+            beta = beta * _sharing(node, src, crossing)
         k, transfer, busy, exposed = _message(cost, rb, itemsize, alpha, beta)
         begin = np.maximum.reduce([T[src], T, free[src]])  # per receiver: its message's first segment leaves
         arrive = begin + transfer
