@@ -19,19 +19,8 @@ cdef extern from "shm_flags.h" nogil:
     void torus_flag_store(uint64_t* flag, uint64_t value)
     void torus_cpu_relax()
 
-cdef extern from "sched.h" nogil:
-    int sched_yield()
+from host_c cimport monotonic_s, reduce_t, sched_yield
 
-cdef extern from "time.h" nogil:
-    ctypedef long time_t
-    struct timespec:
-        time_t tv_sec
-        long tv_nsec
-    int CLOCK_MONOTONIC
-    int clock_gettime(int, timespec*)
-
-ctypedef void (*reduce_t)(int, char*, const char*, const char*, Py_ssize_t, Py_ssize_t, int, double,
-                          int) noexcept nogil
 cdef reduce_t _reduce_raw = <reduce_t>PyCapsule_GetPointer(_reduce.raw_reduce(), b"torus._ext._reduce.raw")
 
 # A rank's region of the window: two flag lines (copied, reduced), then buffer 0 and buffer 1, each a header
@@ -64,12 +53,6 @@ cdef uint64_t _ERROR_SIG = 0xFFFFFFFFFFFFFFFFULL
 ERROR_SIG = _ERROR_SIG
 
 
-cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
-
-
 cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) noexcept nogil:
     """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without. Polls ``spin`` times
     (a few microseconds when every rank has its own core) before yielding the core after every unsuccessful
@@ -84,14 +67,14 @@ cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) 
             return 0
         polls += 1
     if timeout > 0:
-        deadline = _now() + timeout
+        deadline = monotonic_s() + timeout
     polls = 0
     while True:
         sched_yield()
         if torus_flag_load(flag) >= target:
             return 0
         polls += 1
-        if timeout > 0 and (polls & 63) == 0 and _now() > deadline:
+        if timeout > 0 and (polls & 63) == 0 and monotonic_s() > deadline:
             return 1
 
 

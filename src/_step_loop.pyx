@@ -29,19 +29,8 @@ from torus._ext import _reduce
 
 cnp.import_array()
 
-cdef extern from "sched.h" nogil:
-    int sched_yield()
+from host_c cimport monotonic_s, reduce_t, sched_yield
 
-cdef extern from "time.h" nogil:
-    ctypedef long time_t
-    struct timespec:
-        time_t tv_sec
-        long tv_nsec
-    int CLOCK_MONOTONIC
-    int clock_gettime(int, timespec*)
-
-ctypedef void (*reduce_t)(int, char*, const char*, const char*, Py_ssize_t, Py_ssize_t, int, double,
-                          int) noexcept nogil
 cdef reduce_t _reduce_raw = <reduce_t>PyCapsule_GetPointer(_reduce.raw_reduce(), b"torus._ext._reduce.raw")
 
 # Table columns (cloop.table): one row per message, receives then sends, step by step.
@@ -85,12 +74,6 @@ cdef class Communicators:
         free(self.handles)
 
 
-cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
-
-
 cdef int _wait(MPI_Request* req, double timeout, int* mpi_rc) noexcept nogil:
     """0 when ``req`` completed, 1 after ``timeout`` s (> 0) without completion, 2 on an MPI error. Yields
     the core after every unsuccessful test, as faults.wait does (the rank it waits for may need it)."""
@@ -103,7 +86,7 @@ cdef int _wait(MPI_Request* req, double timeout, int* mpi_rc) noexcept nogil:
     if flag:
         return 0
     if timeout > 0:
-        deadline = _now() + timeout
+        deadline = monotonic_s() + timeout
     while True:
         sched_yield()
         rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE)
@@ -113,7 +96,7 @@ cdef int _wait(MPI_Request* req, double timeout, int* mpi_rc) noexcept nogil:
         if flag:
             return 0
         polls += 1
-        if timeout > 0 and (polls & 63) == 0 and _now() > deadline:
+        if timeout > 0 and (polls & 63) == 0 and monotonic_s() > deadline:
             return 1
 
 
