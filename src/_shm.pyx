@@ -17,9 +17,14 @@ cnp.import_array()
 cdef extern from "shm_flags.h" nogil:
     uint64_t torus_flag_load(const uint64_t* flag)
     void torus_flag_store(uint64_t* flag, uint64_t value)
+    void torus_flag_sleep(const uint64_t* flag, uint64_t seen, double seconds)
     void torus_cpu_relax()
 
-from host_c cimport monotonic_s, reduce_t, sched_yield
+cdef extern from "shm_copy.h" nogil:
+    void torus_copy_stream(char* dst, const char* src, size_t n)
+    void torus_stream_fence()
+
+from host_c cimport monotonic_s, reduce_t
 
 cdef reduce_t _reduce_raw = <reduce_t>PyCapsule_GetPointer(_reduce.raw_reduce(), b"torus._ext._reduce.raw")
 
@@ -53,13 +58,18 @@ cdef uint64_t _ERROR_SIG = 0xFFFFFFFFFFFFFFFFULL
 ERROR_SIG = _ERROR_SIG
 
 
+# Longest single sleep of a wait: how often a sleeping rank looks at its deadline (a wake-up is never lost).
+cdef double _NAP = 0.05
+
+
 cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) noexcept nogil:
     """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without. Polls ``spin`` times
-    (a few microseconds when every rank has its own core) before yielding the core after every unsuccessful
-    look, as the C step loop does: with more ranks than cores the rank waited for may need this very core."""
-    cdef double deadline = 0.0
+    (a few microseconds when every rank has its own core), then sleeps on the flag until its writer wakes it
+    (src/shm_flags.h): with more processes than cores the rank waited for may need this very core."""
+    cdef double deadline = 0.0, left = _NAP
     cdef int polls = 0
-    if torus_flag_load(flag) >= target:
+    cdef uint64_t seen = torus_flag_load(flag)
+    if seen >= target:
         return 0
     while polls < spin:
         torus_cpu_relax()
@@ -68,14 +78,17 @@ cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) 
         polls += 1
     if timeout > 0:
         deadline = monotonic_s() + timeout
-    polls = 0
     while True:
-        sched_yield()
-        if torus_flag_load(flag) >= target:
+        seen = torus_flag_load(flag)
+        if seen >= target:
             return 0
-        polls += 1
-        if timeout > 0 and (polls & 63) == 0 and monotonic_s() > deadline:
-            return 1
+        if timeout > 0:
+            left = deadline - monotonic_s()
+            if left <= 0:
+                return 1
+            if left > _NAP:
+                left = _NAP
+        torus_flag_sleep(flag, seen, left)
 
 
 cdef inline int64_t _piece(int64_t count, int64_t lo, int64_t seg) noexcept nogil:
@@ -105,13 +118,15 @@ cdef int _join(const int64_t[::1] bases, int rank, int P, uint64_t cur, uint64_t
 def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarray out not None,
         const int64_t[::1] counts, const int64_t[::1] displs, int64_t seg, int64_t stride, int64_t slot_bytes,
         int mode, int kind, int op, double scale, int nthreads, double timeout, int spin, uint64_t seq,
-        uint64_t sig):
+        uint64_t sig, bint stream):
     """Run one collective over the window whose ranks' regions start at ``bases`` (addresses).
 
     ``src``: the input (all chunks; all-gather: this rank's chunk); ``out``: the output (all chunks;
     reduce-scatter: this rank's chunk); ``counts``/``displs``: every rank's chunk, in elements. Step ``i``
     moves elements ``[i*seg, (i+1)*seg)`` of every chunk, each in its sub-slot ``stride`` bytes apart (one
-    sub-slot for all-gather), with flag value ``seq + i + 1``. A wait polls ``spin`` times before yielding.
+    sub-slot for all-gather), with flag value ``seq + i + 1``. A wait polls ``spin`` times before sleeping.
+    ``stream``: copy out with non-temporal stores (src/shm_copy.h; for outputs larger than the caches that
+    are not the input, whose lines a copy out would otherwise first read).
     Returns ``(status, step, peer, nsteps)``: status DONE, STALLED_COPY / STALLED_REDUCE (no progress for
     ``timeout`` s waiting on ``peer``'s copy-in / reduced chunk at ``step``), MISMATCH (``peer``'s signature
     differs from ``sig``), PEER_ERROR (``peer`` announced an argument error instead)."""
@@ -182,10 +197,17 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                                                               timeout, spin):
                     status, peer = STALLED_REDUCE, q
                     break
-                memcpy(o + (displs[q] + lo) * item,
-                       <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0), n * item)
+                if stream:
+                    torus_copy_stream(o + (displs[q] + lo) * item,
+                                      <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0),
+                                      n * item)
+                else:
+                    memcpy(o + (displs[q] + lo) * item,
+                           <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0), n * item)
             if status:
                 break
+        if stream:
+            torus_stream_fence()
     return status, i, peer, nsteps
 
 

@@ -46,6 +46,28 @@ def test_buffers_many_times_the_segment(mode, dtype, rng):
         assert_same_on_all_ranks(out, what)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_outputs_copied_out_with_streaming_stores(monkeypatch, offset, rng):
+    """Out of place from STREAM_MIN_BYTES (lowered here to 4 KiB) the copy out uses non-temporal stores: an
+    output that starts ``offset`` elements past a 16-byte boundary, with a count that leaves a ragged tail,
+    holds numpy's result; all-gather as well (its copy out is the same code)."""
+    monkeypatch.setattr(torus.runtime.shm, "STREAM_MIN_BYTES", 4096)
+    tc, algo = torus_comm("shm", segment_bytes=8192)
+    n = 50_003
+    x = make(rng, np.float32, "sum", n)
+    backing = sentinel(n + 4, x.dtype)
+    out = backing[offset:offset + n]
+    tc.allreduce(x, out, algorithm=algo)
+    what = f"allreduce(shm, sum, float32, {n}, out of place at +{offset})"
+    assert_matches(out, *expected(x, "sum"), what)
+    assert_same_on_all_ranks(out, what)
+    counts = [n // SIZE + r for r in range(SIZE)]
+    block = make(rng, np.float32, "max", counts[RANK])
+    gathered = sentinel(sum(counts) + 4, block.dtype)[offset:offset + sum(counts)]
+    tc.allgather(block, gathered, recvcounts=counts, algorithm=algo)
+    assert gathered.tobytes() == _reference_allgather(block, counts).tobytes()
+
+
 def test_back_to_back_calls_of_changing_sizes(rng):
     """40 calls, sizes and collectives changing every call (0 and 1 element among them), no synchronisation
     between them: every call's result is checked only after all have run, so a stale segment or flag from

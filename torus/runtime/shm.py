@@ -25,8 +25,9 @@ number of steps per call; step ``s`` uses buffer ``s % 2``:
 4. copy out (all-reduce: once that peer's ``reduced >= s``; all-gather: its copy-in is enough) every
    rank's segment into the output.
 
-A wait polls its flag ``SPIN_POLLS`` times before it starts yielding the core after every look, when every
-rank has a core of its own (with more ranks than cores the rank waited for may need this very core).
+A wait polls its flag ``SPIN_POLLS`` times, when every rank has a core of its own, then sleeps on it (a
+futex the flag's writer wakes, src/shm_flags.h); with more ranks than cores it sleeps at once (the rank
+waited for may need this very core, and a rank that yields instead stays runnable and takes its share).
 
 The argument check: once the window is open TorusComm skips its all-gather for shm calls, since step 1 of
 every step carries the signature. What that catches: another collective, dtype, op, count or recvcounts, or
@@ -84,10 +85,12 @@ _WINDOW_ALLREDUCE = 16
 # waits for every rank to be scheduled, so fewer, larger steps (bench/README.md, "Shared memory").
 SEGMENT_BYTES = 256 << 10
 OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
-# Polls of a flag before a wait starts yielding its core, when every rank of the node has a core of its own
-# (up to about 1 ms on current x86: on a busy machine a yield can cost a whole time slice; 2,000 polls left
-# 64 KiB at 25 us against 18 us); with more ranks than cores a wait yields at once.
+# Polls of a flag before a wait sleeps, when every rank of the node has a core of its own (up to about 1 ms
+# on current x86: 2,000 polls left 64 KiB at 25 us against 18 us); with more ranks than cores a wait sleeps
+# at once.
 SPIN_POLLS = 20000
+# Outputs from this size (out of place) are copied out with non-temporal stores (src/shm_copy.h).
+STREAM_MIN_BYTES = int(os.environ.get("TORUS_SHM_STREAM_BYTES", 8 << 20))
 
 
 class SharedMemory:
@@ -109,6 +112,7 @@ class SharedMemory:
         self._seq = 0
         self._broken = ""
         self._chunks: dict = {}
+        self._signatures: dict = {}  # (mode, kind, op, count or counts) -> the call's 32-bit signature
         self._buffers: dict = {}  # address of an alloc buffer -> (window, every rank's address, nbytes, index)
 
     def _open(self, what: str) -> None:
@@ -194,11 +198,17 @@ class SharedMemory:
         c, d = self._layout(what, out.size, counts)
         item = out.itemsize
         kind = _reduce.kind(out)
-        window = self._buffers.get(out.ctypes.data) if mode == _shm.ALLREDUCE and src is out else None
+        window = (self._buffers.get(out.__array_interface__["data"][0])
+                  if self._buffers and mode == _shm.ALLREDUCE and src is out else None)
         if window is not None and window[2] == out.nbytes:  # the caller's buffer lives in shared memory
             mode = _WINDOW_ALLREDUCE + window[3]
-        sig = zlib.crc32(c.tobytes(), zlib.crc32(self.slot_bytes.to_bytes(8, "little"),
-                                                 (mode << 16) | (kind << 8) | OPS.index(op)))
+        key = (mode, kind, op, out.size if counts is None else tuple(counts))
+        sig = self._signatures.get(key)
+        if sig is None:
+            if len(self._signatures) >= 256:
+                self._signatures.clear()
+            sig = self._signatures[key] = zlib.crc32(c.tobytes(), zlib.crc32(
+                self.slot_bytes.to_bytes(8, "little"), (mode << 16) | (kind << 8) | OPS.index(op)))
         args = (kind, item, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin,
                 self._seq, sig)
         if window is not None and mode >= _WINDOW_ALLREDUCE:
@@ -208,7 +218,7 @@ class SharedMemory:
             seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
             status, step, peer, nsteps = _shm.run(
                 self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes,
-                mode, *args[:1], *args[2:])
+                mode, *args[:1], *args[2:], src is not out and out.nbytes >= STREAM_MIN_BYTES)
         if status == _shm.DONE:
             self._seq += nsteps
             return
