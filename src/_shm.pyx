@@ -115,6 +115,27 @@ cdef int _join(const int64_t[::1] bases, int rank, int P, uint64_t cur, uint64_t
     return DONE
 
 
+cdef void _copy_in(const int64_t[::1] bases, int rank, int P, const char* s, const int64_t[::1] counts,
+                   const int64_t[::1] displs, int64_t lo, int64_t seg, int64_t stride, int64_t slot_bytes,
+                   Py_ssize_t item, int mode, uint64_t step, uint64_t sig) noexcept nogil:
+    """Copy in what the peers need at ``step`` (elements ``[lo, lo + seg)`` of each chunk) into our buffer
+    ``step & 1``, and the signature into its header: our own chunk for all-gather, every other rank's chunk
+    for a reduction (our own chunk is reduced from src where it lies). Published by the caller."""
+    cdef char* mine = <char*>bases[rank] + FLAG_AREA + <int64_t>(step & 1) * (HEADER + slot_bytes)
+    cdef int64_t n
+    cdef int r
+    if mode == ALLGATHER:
+        n = _piece(counts[rank], lo, seg)
+        if n:
+            memcpy(mine + HEADER, s + lo * item, n * item)
+    else:
+        for r in range(P):
+            n = _piece(counts[r], lo, seg)
+            if n and r != rank:
+                memcpy(mine + HEADER + r * stride, s + (displs[r] + lo) * item, n * item)
+    (<uint64_t*>mine)[0] = sig
+
+
 def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarray out not None,
         const int64_t[::1] counts, const int64_t[::1] displs, int64_t seg, int64_t stride, int64_t slot_bytes,
         int mode, int kind, int op, double scale, int nthreads, double timeout, int spin, uint64_t seq,
@@ -144,26 +165,15 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
             maxc = counts[r]
     nsteps = (maxc + seg - 1) // seg
     with nogil:
+        if nsteps:
+            _copy_in(bases, rank, P, s, counts, displs, 0, seg, stride, slot_bytes, item, mode, seq + 1, sig)
         for i in range(nsteps):
             cur = seq + <uint64_t>i + 1
             buf_off = FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)  # double buffer by parity
             lo = i * seg
             mine = <char*>bases[rank] + buf_off
             sub = HEADER + rank * stride
-            # Copy in what the peers need: our own chunk for all-gather, every other rank's chunk for a
-            # reduction (our own chunk is reduced from src where it lies). Buffer (cur & 1) is free: every
-            # peer passed step cur - 1 (we waited for that below), which it enters only after its last read
-            # of this buffer, in step cur - 2.
-            if mode == ALLGATHER:
-                n = _piece(counts[rank], lo, seg)
-                if n:
-                    memcpy(mine + HEADER, s + lo * item, n * item)
-            else:
-                for r in range(P):
-                    n = _piece(counts[r], lo, seg)
-                    if n and r != rank:
-                        memcpy(mine + HEADER + r * stride, s + (displs[r] + lo) * item, n * item)
-            (<uint64_t*>mine)[0] = sig
+            # This step's input is in (copied during the step before, see below): publish it.
             torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur)
             # Wait for every peer's input; check it is the same call.
             status = _join(bases, rank, P, cur, sig, buf_off, timeout, spin, &peer)
@@ -182,10 +192,17 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                     q = (rank + k) % P
                     _reduce_raw(kind, acc, own if k == 1 else acc, <char*>bases[q] + buf_off + sub, n, item, op,
                                 scale if k == P - 1 else 1.0, nthreads)
-            if mode == REDUCE_SCATTER:
-                continue
             if mode == ALLREDUCE:
                 torus_flag_store(<uint64_t*>(<char*>bases[rank] + REDUCED), cur)
+            # Copy in the next step's input now, while the peers finish reducing this one (its ``copied`` is
+            # published only after this step's copy out, so a peer that sees it knows we are done reading
+            # its buffers of this step). Buffer (cur + 1) & 1 is free: every peer published ``copied = cur``
+            # (we waited for it above) after its last read of that buffer, in step cur - 1.
+            if i + 1 < nsteps:
+                _copy_in(bases, rank, P, s, counts, displs, lo + seg, seg, stride, slot_bytes, item, mode, cur + 1,
+                         sig)
+            if mode == REDUCE_SCATTER:
+                continue
             # Copy out every rank's (reduced) chunk, starting with our own, then the next ranks, so that the
             # ranks do not all read the same peer at once.
             for k in range(P):

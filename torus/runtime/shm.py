@@ -15,7 +15,9 @@ every chunk. Steps are numbered across calls by one counter ``seq``, which every
 number of steps per call; step ``s`` uses buffer ``s % 2``:
 
 1. copy in what the peers need: segment ``i`` of every other rank's chunk into its sub-slot (all-gather: of
-   our own chunk), the signature into the header, then ``copied = s`` (store-release);
+   our own chunk), the signature into the header (for step ``s + 1`` this happens during step ``s``, right
+   after our reduction, while the peers finish theirs), then ``copied = s`` (store-release) once step
+   ``s - 1`` is done;
 2. wait for every peer's ``copied >= s`` (load-acquire) and compare its signature with ours (collective,
    dtype, op, counts, segment size: a mismatch is a MismatchError even with the argument check off);
 3. reduce our chunk's segment, ranks in the order ``rank, rank+1, ...``, our own part read straight from the
@@ -37,9 +39,9 @@ with the check on, complete the all-gather it posted; that step is spent on ever
 equal). What it misses against the all-gather: a rank that runs another algorithm (ring, native) while the
 others run shm is a TimeoutError after ``timeout`` s, not a MismatchError; the grid (irrelevant to shm).
 
-Why no barrier between calls: before a rank writes buffer ``s % 2`` at step ``s`` it has waited, in step
-``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its last read of that
-buffer in step ``s - 2``; a peer is at most one step ahead (it cannot finish step ``s`` without our
+Why no barrier between calls: before a rank writes buffer ``s % 2`` for step ``s`` (during step ``s - 1``)
+it has waited, in step ``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its
+last read of that buffer, in step ``s - 2``; a peer is at most one step ahead (it cannot finish step ``s`` without our
 ``copied = s``, and for an all-reduce our ``reduced = s``), so it writes only the other buffer meanwhile.
 Sequence numbers only grow, so no flag from an earlier call (of another size) can satisfy a later wait.
 Each element is reduced once, by the rank owning its chunk, and copied to the others: every rank's result
@@ -57,8 +59,7 @@ its buffer, and ends with a second ``copied`` that every rank waits for, so that
 again (the next step's gradients) while a peer still reads it. No copy in, no segments; two step numbers per
 call; the signature names the buffer (which ``alloc``), so ranks passing different buffers mismatch.
 
-Not done yet (issue 14): the shm phases of hierarchical and torus2d; overlapping the next segment's copy-in
-with this one's copy-out; out-of-place calls from an ``alloc`` buffer (they take the ordinary path).
+Not done yet (issue 14): out-of-place calls from an ``alloc`` buffer (they take the ordinary path).
 """
 from __future__ import annotations
 
