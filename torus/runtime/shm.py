@@ -112,8 +112,7 @@ class SharedMemory:
         self._bases = np.zeros(0, np.int64)
         self._seq = 0
         self._broken = ""
-        self._chunks: dict = {}
-        self._signatures: dict = {}  # (mode, kind, op, count or counts) -> the call's 32-bit signature
+        self._calls: dict = {}  # call shape -> what _prepare decided for it
         self._buffers: dict = {}  # address of an alloc buffer -> (window, every rank's address, nbytes, index)
 
     def _open(self, what: str) -> None:
@@ -141,17 +140,18 @@ class SharedMemory:
         self._win = win
         self.comm.Barrier()  # every rank's flags are zero before anyone looks at them
 
-    def _layout(self, what: str, count: int, counts):
-        """(counts, displs) as int64 arrays; all-reduce: the even split of ``count``, cached per count."""
-        if counts is not None:
-            return np.array(counts, np.int64), np.array(displacements(counts), np.int64)
-        hit = self._chunks.get(count)
-        if hit is None:
-            if len(self._chunks) >= 256:
-                self._chunks.clear()
-            c, d = chunks(count, self.size)
-            hit = self._chunks[count] = (np.array(c, np.int64), np.array(d, np.int64))
-        return hit
+    def _prepare(self, collective: str, out: np.ndarray, counts, op: str, window):
+        """What a call shape needs, decided once: (mode, counts, displs, segment in elements, kernel kind,
+        op code, the 32-bit signature the peers compare: mode, dtype, op, chunks and slot size)."""
+        mode = _MODE[collective] if window is None else _WINDOW_ALLREDUCE + window[3]
+        if counts is None:
+            counts = chunks(out.size, self.size)[0]
+        c, d = np.array(counts, np.int64), np.array(displacements(counts), np.int64)
+        kind = _reduce.kind(out)
+        seg = self.slot_bytes // out.itemsize // (1 if mode == _shm.ALLGATHER else self.size)
+        sig = zlib.crc32(c.tobytes(), zlib.crc32(self.slot_bytes.to_bytes(8, "little"),
+                                                 (mode << 16) | (kind << 8) | OPS.index(op)))
+        return mode, c, d, seg, kind, OP_CODE[op], sig
 
     @property
     def is_open(self) -> bool:
@@ -195,31 +195,27 @@ class SharedMemory:
                              f"earlier failure ({self._broken}); abort the job")
         if self._win is None:
             self._open(what)
-        mode = _MODE[collective]
-        c, d = self._layout(what, out.size, counts)
-        item = out.itemsize
-        kind = _reduce.kind(out)
         window = (self._buffers.get(out.__array_interface__["data"][0])
-                  if self._buffers and mode == _shm.ALLREDUCE and src is out else None)
-        if window is not None and window[2] == out.nbytes:  # the caller's buffer lives in shared memory
-            mode = _WINDOW_ALLREDUCE + window[3]
-        key = (mode, kind, op, out.size if counts is None else tuple(counts))
-        sig = self._signatures.get(key)
-        if sig is None:
-            if len(self._signatures) >= 256:
-                self._signatures.clear()
-            sig = self._signatures[key] = zlib.crc32(c.tobytes(), zlib.crc32(
-                self.slot_bytes.to_bytes(8, "little"), (mode << 16) | (kind << 8) | OPS.index(op)))
-        args = (kind, item, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin,
-                self._seq, sig)
-        if window is not None and mode >= _WINDOW_ALLREDUCE:
-            (status, step, peer), nsteps = _shm.run_window(self._bases, window[1], self.rank, c, d,
-                                                           self.slot_bytes, *args), 2
+                  if self._buffers and src is out and collective == "allreduce" else None)
+        if window is not None and window[2] != out.nbytes:
+            window = None
+        key = (collective, out.dtype, op, out.size if counts is None else tuple(counts),
+               None if window is None else window[3])
+        call = self._calls.get(key)
+        if call is None:
+            if len(self._calls) >= 256:
+                self._calls.clear()
+            call = self._calls[key] = self._prepare(collective, out, counts, op, window)
+        mode, c, d, seg, kind, opcode, sig = call
+        if window is not None:  # the caller's buffer lives in shared memory
+            (status, step, peer), nsteps = _shm.run_window(
+                self._bases, window[1], self.rank, c, d, self.slot_bytes, kind, out.itemsize, opcode, scale,
+                kernels.get_num_threads(), self.timeout or 0.0, self.spin, self._seq, sig), 2
         else:
-            seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
             status, step, peer, nsteps = _shm.run(
                 self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes,
-                mode, *args[:1], *args[2:], src is not out and out.nbytes >= STREAM_MIN_BYTES)
+                mode, kind, opcode, scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin, self._seq,
+                sig, src is not out and out.nbytes >= STREAM_MIN_BYTES)
         if status == _shm.DONE:
             self._seq += nsteps
             return
