@@ -68,6 +68,29 @@ def test_outputs_copied_out_with_streaming_stores(monkeypatch, offset, rng):
     assert gathered.tobytes() == _reference_allgather(block, counts).tobytes()
 
 
+def test_calls_either_side_of_the_one_step_size(rng):
+    """All-reduces up to WHOLE_MAX_BYTES run in one step, each rank reducing everything from the slots
+    (ranks in a fixed order, so every rank's result is the same); larger ones take the pipelined steps.
+    Alternating them back to back, in and out of place, with avg and max: every result is numpy's and the
+    same on every rank."""
+    tc, algo = torus_comm("shm")
+    edge = torus.runtime.shm.WHOLE_MAX_BYTES // 4
+    calls = []
+    for i, n in enumerate([edge, edge + 1, 1, edge - 1, 3 * edge + 7, edge, 2, edge + 1]):
+        op = ("avg", "max")[i % 2]
+        x = make(rng, np.float32, op, n)
+        if i % 3 == 0:
+            out = x.copy()
+            tc.allreduce(torus.IN_PLACE, out, op=op, algorithm=algo)
+        else:
+            out = tc.allreduce(x, sentinel(n, x.dtype), op=op, algorithm=algo)
+        calls.append((x, op, out))
+    for i, (x, op, out) in enumerate(calls):
+        what = f"call {i}: allreduce(shm, {op}) of {x.size} float32"
+        assert_matches(out, *expected(x, op), what)
+        assert_same_on_all_ranks(out, what)
+
+
 def test_back_to_back_calls_of_changing_sizes(rng):
     """40 calls, sizes and collectives changing every call (0 and 1 element among them), no synchronisation
     between them: every call's result is checked only after all have run, so a stale segment or flag from

@@ -52,6 +52,10 @@ Cost per byte of an all-reduce on ``p`` ranks: one copy in of ``(p-1)/p`` of the
 ``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk from the sub-slot it was
 just reduced into, still in cache). Two flag round trips per step.
 
+Small all-reduces (up to ``WHOLE_MAX_BYTES``, within one slot) take one step instead (``run_whole``): every
+rank copies its whole input into its slot, waits for every peer's, and reduces every element itself from the
+slots, ranks in the order 0, 1, ... on every rank (bitwise identical results); one flag wait, no copy out.
+
 Buffers in the window (``TorusComm.alloc``: one more shared window per buffer, each rank's part its own
 pages): an in-place all-reduce of such a buffer (``run_window`` in src/_shm.pyx) publishes ``copied``, reduces
 its chunk in place straight from the peers' buffers, publishes ``reduced``, copies every peer's chunk from
@@ -90,6 +94,10 @@ OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
 # on current x86: 2,000 polls left 64 KiB at 25 us against 18 us); with more ranks than cores a wait sleeps
 # at once.
 SPIN_POLLS = 20000
+# All-reduces up to this size (and the slot) run in one step, every rank reducing the whole buffer from
+# the slots (src/_shm.pyx run_whole): one flag wait and no copy out, for ``size`` times the reads (at 2 and 4
+# ranks 10-20% faster from 4 B to 16 KiB, slower from 64 KiB; exploratory, loaded machine).
+WHOLE_MAX_BYTES = int(os.environ.get("TORUS_SHM_WHOLE_BYTES", 16 << 10))
 # Outputs from this size (out of place) are copied out with non-temporal stores (src/shm_copy.h).
 STREAM_MIN_BYTES = int(os.environ.get("TORUS_SHM_STREAM_BYTES", 8 << 20))
 
@@ -144,6 +152,8 @@ class SharedMemory:
         """What a call shape needs, decided once: (mode, counts, displs, segment in elements, kernel kind,
         op code, the 32-bit signature the peers compare: mode, dtype, op, chunks and slot size)."""
         mode = _MODE[collective] if window is None else _WINDOW_ALLREDUCE + window[3]
+        if mode == _shm.ALLREDUCE and self.size > 1 and out.nbytes <= min(WHOLE_MAX_BYTES, self.slot_bytes):
+            mode = _shm.ALLREDUCE_WHOLE
         if counts is None:
             counts = chunks(out.size, self.size)[0]
         c, d = np.array(counts, np.int64), np.array(displacements(counts), np.int64)
@@ -211,6 +221,10 @@ class SharedMemory:
             (status, step, peer), nsteps = _shm.run_window(
                 self._bases, window[1], self.rank, c, d, self.slot_bytes, kind, out.itemsize, opcode, scale,
                 kernels.get_num_threads(), self.timeout or 0.0, self.spin, self._seq, sig), 2
+        elif mode == _shm.ALLREDUCE_WHOLE:
+            status, step, peer, nsteps = _shm.run_whole(
+                self._bases, self.rank, src, out, self.slot_bytes, kind, opcode, scale, kernels.get_num_threads(),
+                self.timeout or 0.0, self.spin, self._seq, sig)
         else:
             status, step, peer, nsteps = _shm.run(
                 self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes,
