@@ -224,16 +224,19 @@ class Cluster:
         _ip("-n", self.namespace(host), "link", "set", "eth0", "up")
 
     # ------------------------------------------------------------------ launching
-    def mpiexec(self, ppn: int = 1, mpiexec: str | None = None) -> list[str]:
+    def mpiexec(self, ppn: int = 1, mpiexec: str | None = None, round_robin: bool = False) -> list[str]:
         """The ``mpiexec`` command line (up to the program) for ``ppn`` ranks per host, in blocks: ranks
-        ``0..ppn-1`` on host 1, and so on. Append ``-n N`` (at most ``hosts * ppn``) and the program."""
+        ``0..ppn-1`` on host 1, and so on; ``round_robin``: dealt out one per host in turn (hydra's ``-hosts
+        h1,h2,...`` without slots: rank ``r`` on host ``r % hosts + 1``). Append ``-n N`` (at most
+        ``hosts * ppn``) and the program."""
         exe = mpiexec or shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-        hosts = ",".join(f"{a}:{ppn}" for a in self.addresses)
+        hosts = ",".join(a if round_robin else f"{a}:{ppn}" for a in self.addresses)
         # TORUS_CLUSTER_*: what torus-bench records of the emulation (torus/bench/report.py); torus reads no
         # other meaning into them
         return [exe, "-launcher", "ssh", "-launcher-exec", str(self.nslaunch), "-iface", self.bridge,
                 "-hosts", hosts, "-genv", "UCX_TLS", "tcp,self", "-genv", "TORUS_CLUSTER_HOSTS", str(self.hosts),
-                "-genv", "TORUS_CLUSTER_PPN", str(ppn), "-genv", "TORUS_CLUSTER_RATE", self.rate or "unshaped"]
+                "-genv", "TORUS_CLUSTER_PPN", str(ppn), "-genv", "TORUS_CLUSTER_RATE", self.rate or "unshaped",
+                "-genv", "TORUS_CLUSTER_PLACEMENT", "round_robin" if round_robin else "blocks"]
 
 
 def from_state(name: str = "torusc") -> Cluster:
