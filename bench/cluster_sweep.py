@@ -47,21 +47,31 @@ def _layout(text: str) -> tuple[int, int]:
     return hosts, ppn
 
 
+PLACEMENTS = ("out_of_place", "in_place")
+
+
 def ratios(rows: list[dict]) -> list[str]:
-    """Per size: every algorithm's time over the fastest algorithm's (out of place / in place)."""
+    """Per size: every algorithm's time over the fastest algorithm's (out of place / in place), and "picked":
+    the time of the algorithm auto picked, in its own row, over the fastest (auto's own row times the same
+    schedule again: the two differ by the run's noise)."""
     lines = []
     algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    picked = "auto" in algos
     lines.append("# time / best time per size (out of place / in place); best: the fastest per placement")
-    lines.append(f"#{'size':>10} " + " ".join(f"{a:>13}" for a in algos) + "  best")
+    lines.append(f"#{'size':>10} " + " ".join(f"{a:>13}" for a in algos + ["picked"] * picked) + "  best")
     for size in sorted({r["size"] for r in rows}):
         mine = {r["algorithm"]: r for r in rows if r["size"] == size}
-        cells, best = [], []
-        for p in ("out_of_place", "in_place"):
-            fastest = min(mine.values(), key=lambda r: r[p]["time_us"])
-            best.append(fastest["algorithm"])
+        fastest = [min(m[p]["time_us"] for m in mine.values()) for p in PLACEMENTS]
+        best = ["/".join(a for a, m in mine.items() if m[p]["time_us"] == fastest[i])
+                for i, p in enumerate(PLACEMENTS)]
+        cells = []
         for a in algos:
-            r = mine[a]
-            t = [r[p]["time_us"] / min(m[p]["time_us"] for m in mine.values()) for p in ("out_of_place", "in_place")]
+            t = [mine[a][p]["time_us"] / fastest[i] for i, p in enumerate(PLACEMENTS)]
+            cells.append(f"{t[0]:6.2f}/{t[1]:<6.2f}")
+        if picked:
+            picks = mine["auto"]["resolved"].split("/")
+            picks = picks * 2 if len(picks) == 1 else picks
+            t = [mine[a][p]["time_us"] / fastest[i] for i, (a, p) in enumerate(zip(picks, PLACEMENTS))]
             cells.append(f"{t[0]:6.2f}/{t[1]:<6.2f}")
         lines.append(f" {size:>10} " + " ".join(f"{c:>13}" for c in cells) + "  " + "/".join(best))
     return lines
