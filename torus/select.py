@@ -35,13 +35,13 @@ TABLE = (
 
 
 # Where every rank is on one node, these rows come first (same columns): the shared-memory transport
-# (torus/runtime/shm.py) against the rows below, measured with bench/native_peers.py on 2 cores under load
-# (bench/README.md, "Shared memory"): at 2 ranks shm led at every size from 64 KiB to 256 MiB; at 4 ranks
-# (two per core) it tied the schedules at 1 MiB and fell behind above (each step waits until every rank has
-# been scheduled). More than 4 ranks, and 4 ranks with a core each, were not measured. Never across nodes.
+# (torus/runtime/shm.py) against the rows below and the best native all-reduces, measured with
+# bench/native_peers.py on 2 cores (bench/results/native_peers.txt, tabulated in README.md): at 2 ranks and
+# at 4 (two per core) shm led at every size from 64 KiB to 256 MiB. At 4 ranks it used to fall far behind
+# under load above 1 MiB, when its waits yielded the core; they sleep on a futex now (src/shm_flags.h).
+# More than 4 ranks, and 4 ranks with a core each, were not measured. Never across nodes.
 ONE_NODE_TABLE = (
-    (2, None, None, "shm"),
-    (4, 1 << 20, None, "shm"),
+    (4, None, None, "shm"),
 )
 
 
