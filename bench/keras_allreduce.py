@@ -5,7 +5,7 @@
     mpiexec -n 2 python bench/keras_allreduce.py --steps 30 --json bench/results/keras_allreduce.json
 
 Gradients: one random float32 tensor per trainable variable of ``keras.applications.ResNet50(weights=None,
-input_shape=(32, 32, 3), classes=10)`` (161 tensors, 89.9 MiB), the same list every step. Per step a barrier
+input_shape=(32, 32, 3), classes=10)`` (214 tensors, 89.9 MiB), the same list every step. Per step a barrier
 first (so the time excludes waiting for a slower rank, which a training step adds), then one call of the traced
 function (fuse, ``tf.numpy_function`` into ``TorusComm.allreduce``, split back); the figure is the median over
 ``--steps`` timed steps of the slowest rank's time, after ``--warmup`` untimed ones (tracing, window set-up).
