@@ -130,3 +130,15 @@ def test_fit_through_the_window_matches_one_process(world):
         ref_steps = fit(build())
     assert strategy.host.windows.made == (1 if SHM else 0)
     assert_steps_match(world, steps, ref_steps)
+
+
+def test_shapes_unknown_when_traced_keep_the_copy_path(world, tc, rng):
+    host = HostAllreduce(tc, "auto")
+    step = tf.function(lambda a, b: allreduce_tensors(host, [a, b], "sum"),
+                       input_signature=[tf.TensorSpec([None], tf.float32), tf.TensorSpec([2, 2], tf.float32)])
+    for n in (3, 40):
+        a, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal((2, 2)).astype(np.float32)
+        got = step(tf.constant(a), tf.constant(b))
+        for g, x in zip(got, (a, b)):
+            np.testing.assert_allclose(g.numpy(), _mpi_sum(world, x), rtol=1e-6, atol=1e-6)
+    assert host.windows.made == 0
