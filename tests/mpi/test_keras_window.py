@@ -1,6 +1,6 @@
 """The Keras all-reduce through a shared ``TorusComm.alloc`` buffer (integrations/keras/window.py): where it is
-taken, results against MPI and against the out-of-place path bit for bit, outputs TensorFlow still holds never
-overwritten, the bound on shared buffers, and ``fit`` equal to one process with it.
+taken, results against MPI and the out-of-place path (bitwise identical across ranks), outputs TensorFlow
+still holds never overwritten, the bound on shared buffers, and ``fit`` equal to one process with it.
 
 Runs at 1, 2 and 3 ranks (TensorFlow is heavy on the 2-core test machine); at 1 rank the path is never taken
 and the tests check that.
@@ -16,7 +16,7 @@ tf = pytest.importorskip("tensorflow")
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
-from kerasref import B, Record, assert_steps_match, data, dense_model, initial_weights  # noqa: E402
+from kerasref import B, Record, assert_identical_across_ranks, assert_steps_match, data, dense_model, initial_weights  # noqa: E402
 
 from oracle import one_node  # noqa: E402
 from torus import TorusComm  # noqa: E402
@@ -55,13 +55,17 @@ def test_window_matches_mpi_and_the_copy_path(world, tc, rng, compression):
     got = allreduce_tensors(win, [tf.constant(x) for x in local], "sum")
     ref = allreduce_tensors(copy, [tf.constant(x) for x in local], "sum")
     assert win.windows.made == (3 if SHM else 0)  # float32, float64, int32
+    assert_identical_across_ranks(world, [g.numpy() for g in got], "window path")
     for g, r, x in zip(got, ref, local):
         want = _mpi_sum(world, np.asarray(x))
         assert g.shape == want.shape and g.dtype.as_numpy_dtype == want.dtype
-        # both run shm with the same reduction order: the same bits
-        np.testing.assert_array_equal(g.numpy(), r.numpy())
+        # the two paths may sum in another rank order (shm's small calls reduce in rank order), so only
+        # integers are compared exactly
         tol = {"none": 1e-6, "fp16": 2e-3, "bf16": 2e-2}[compression] if want.dtype == np.float32 else 1e-12
-        np.testing.assert_allclose(g.numpy(), want, rtol=tol, atol=tol * np.abs(want).max(initial=1))
+        for other in (r.numpy(), want):
+            np.testing.assert_allclose(g.numpy(), other, rtol=tol, atol=tol * np.abs(want).max(initial=1))
+        if want.dtype.kind == "i":
+            np.testing.assert_array_equal(g.numpy(), want)
 
 
 def test_only_where_shm_runs(tc):
