@@ -26,8 +26,8 @@ allows; see bench/README.md for the measured margin.
 On one node ``--fit`` also fits the shared-memory transport's constants (sim/shm.py): ``copy_beta`` as the slope
 of ``np.copyto`` time over bytes, slot by slot as the transport copies, every rank at once (``copy_rate``);
 ``flag_alpha`` and ``call_alpha`` from shm all-reduces through ``TorusComm`` with the smallest slot (64 B per
-chunk and step), so that the bytes cost next to nothing and the time is the call plus its flag waits: the
-slope over the step count is two flags per step, the intercept the call (``shm_flags``).
+chunk and step, ``SHM_STEPS``), so that the bytes cost next to nothing and the time is the call plus its flag
+waits: the slope over the step count is two flags per step, the intercept the call (``shm_flags``).
 
 ``--validate`` (``mpiexec -n K``, with ``--params`` from a ``--fit`` at the same K): for each algorithm and
 size, the median over iterations of the slowest rank's ``TorusComm.allreduce`` time, next to ``simulate`` with
@@ -54,7 +54,9 @@ from torus.sim.simulate import simulate
 PINGPONG_SIZES = tuple(4 ** k for k in range(1, 13))  # 4 B .. 16 MiB
 REDUCE_SIZES = tuple(1 << k for k in range(16, 26, 3))  # 64 KiB .. 32 MiB
 VALIDATE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
-SHM_STEPS = (1, 1025, 4097)  # steps of the shm all-reduces that fit flag_alpha and call_alpha
+# Steps of the shm all-reduces that fit flag_alpha and call_alpha (the intercept, at 0 steps): from 257, so that
+# even at 2 ranks the buffer (64 B per rank and step) is past any one-step path the transport has for small calls.
+SHM_STEPS = (257, 1025, 4097)
 
 
 def _best_time(fn, reps: int) -> float:
