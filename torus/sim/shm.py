@@ -28,6 +28,11 @@ per-rank clocks over every step (any count: uneven chunks, empty pieces skip the
 (``a = flag_alpha``, ``b = copy_beta``). Bytes: copied in ``(P-1)/P·M`` (all-gather ``M/P``), reduced
 ``(P-1)/P·M``, as the transport's docstring counts them. Flags on the critical path: 2 per step for an
 all-reduce, 1 otherwise.
+
+This follows ``run`` step for step as it is now; a change to the protocol (a one-step path for small calls,
+a copy in overlapped with the peers' reduction) needs its counterpart here and in the closed forms. Not
+modelled: ``run_window`` (``TorusComm.alloc`` buffers), and waits when ranks outnumber cores (a scheduler
+hand-off, not a flag latency; bench/README.md).
 """
 from __future__ import annotations
 
