@@ -231,6 +231,11 @@ class TorusComm:
         torus does not reduce."""
         return self._shm.alloc("alloc", count, dtype, self.topology.nodes)
 
+    def free_alloc(self, array: np.ndarray) -> None:
+        """Release an array from :meth:`alloc` (collective, as ``alloc``: every rank its own array, in the same
+        order); using it afterwards is undefined. Raises ValueError for any other array (a view included)."""
+        self._shm.release("free_alloc", array)
+
     def free_buffers(self) -> None:
         """Release the working buffers kept between calls (see the class docstring); the next call allocates
         what it needs again. Local: ranks need not call it together."""

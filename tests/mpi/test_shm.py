@@ -228,6 +228,23 @@ def test_an_alloc_buffer_is_reduced_where_it_lies(alloc_comm, dtype, count, rng)
         assert_same_on_all_ranks(a, what)
 
 
+def test_free_alloc_then_alloc_again(alloc_comm, rng):
+    """free_alloc releases one buffer (collective); buffers made after it reduce right, and a view or an
+    ordinary array is refused before anything is freed."""
+    tc = alloc_comm
+    keep, gone = tc.alloc(50, np.int64), tc.alloc(50, np.int64)
+    with pytest.raises(ValueError, match=f"free_alloc on rank {RANK}: not an array from TorusComm.alloc"):
+        tc.free_alloc(gone[1:])
+    with pytest.raises(ValueError, match=f"free_alloc on rank {RANK}: not an array from TorusComm.alloc"):
+        tc.free_alloc(np.zeros(50, np.int64))
+    tc.free_alloc(gone)
+    for a in (tc.alloc(50, np.int64), keep, tc.alloc(9, np.int64)):
+        x = make(rng, np.int64, "sum", a.size)
+        a[:] = x
+        tc.allreduce(torus.IN_PLACE, a, algorithm="shm")
+        assert_matches(a, *expected(x, "sum"), f"allreduce(shm, alloc after free_alloc, {a.size})")
+
+
 @pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")
 def test_an_alloc_buffer_against_an_ordinary_one_is_a_mismatch():
     tc = torus.TorusComm(check=False, timeout=60)

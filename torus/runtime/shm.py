@@ -122,13 +122,18 @@ class SharedMemory:
         self._broken = ""
         self._calls: dict = {}  # call shape -> what _prepare decided for it
         self._buffers: dict = {}  # address of an alloc buffer -> (window, every rank's address, nbytes, index)
+        self._allocs = 0  # alloc buffers made so far: the next one's index
+
+    def _barrier(self, what: str, doing: str) -> None:
+        """A barrier bounded by the stall timeout, before a blocking MPI window call (so a rank that never
+        comes is a TimeoutError, not a hang inside MPI)."""
+        faults.wait(self.comm.Ibarrier(), self.timeout, lambda: (
+            f"{what} on rank {self.rank}: no progress for {self.timeout:g} s {doing} (some rank never made "
+            "this call); abort the job"))
 
     def _open(self, what: str) -> None:
         rank, size = self.rank, self.size
-        req = self.comm.Ibarrier()
-        faults.wait(req, self.timeout, lambda: (
-            f"{what} on rank {rank}: no progress for {self.timeout:g} s setting up the shared-memory window "
-            "(some rank never made this call); abort the job"))
+        self._barrier(what, "setting up the shared-memory window")
         shared = MPI.Intracomm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))  # same handle, typed
         if shared.Get_size() != size:
             n = shared.Get_size()
@@ -267,6 +272,8 @@ class SharedMemory:
         count = int(count)
         if self._win is None:
             self._open(what)
+        else:
+            self._barrier(what, "allocating a shared buffer")
         nbytes = count * dtype.itemsize
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")
@@ -276,8 +283,19 @@ class SharedMemory:
             info.Free()
         data = np.array([win.Shared_query(q)[0].address for q in range(self.size)], np.int64)
         array = np.frombuffer(win.tomemory(), dtype, count)  # type: ignore[call-overload]  # mpi4py buffer
-        self._buffers[array.ctypes.data] = (win, data, nbytes, len(self._buffers))
+        self._buffers[array.ctypes.data] = (win, data, nbytes, self._allocs)
+        self._allocs += 1
         return array
+
+    def release(self, what: str, array: np.ndarray) -> None:
+        """Free ``alloc``'s ``array`` (collective: every rank releases its own, in the same order); the
+        array must not be used after. Raises ValueError for an array ``alloc`` did not return."""
+        found = self._buffers.get(array.ctypes.data)
+        if found is None or found[2] != array.nbytes:
+            raise ValueError(f"{what} on rank {self.rank}: not an array from TorusComm.alloc (or a view of one)")
+        self._barrier(what, "freeing a shared buffer")
+        del self._buffers[array.ctypes.data]
+        found[0].Free()
 
     def free(self) -> None:
         """Release the window and every ``alloc`` buffer (collective over the node's ranks, when set up)."""
