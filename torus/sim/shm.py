@@ -112,8 +112,7 @@ def closed_form(collective: str, M: float, P: int, cost: Cost) -> float:
     a, b, g, call = _constants(cost)
     slot = slot_bytes(cost, P)
     if collective == "allgather":
-        s = slot
-        return call + M / P / s * (a + P * b * s)
+        return call + M / P / slot * (a + P * b * slot)
     s = slot / P
     S = M / P / s
     if collective == "reduce_scatter":
