@@ -41,13 +41,26 @@ def test_replay_matches_closed_form(P, collective, cost):
 
 
 def test_a_case_by_hand():
-    """2 ranks, 128 float32 (two chunks of 256 B), 256-byte slots: 2 steps of 128 B per chunk. Per step: copy
-    in 128 B (0.128 us), the peer's copied flag (1 us), reduce 128 B (0.256 us), own chunk out (0.128 us)
-    while the peer's reduced flag arrives (1 us), the peer's chunk out (0.128 us): 2.512 us; plus the call."""
+    """2 ranks, 128 float32 (two chunks of 256 B), 256-byte slots (512 B is over one slot: no one-step path):
+    2 steps of 128 B per chunk. Before the loop: copy in 128 B (0.128 us). Step 1: the peer's copied flag
+    (1 us), reduce 128 B (0.256 us), copy in step 2 (0.128 us) and our chunk out (0.128 us) while the peer's
+    reduced flag arrives (1 us), the peer's chunk out (0.128 us). Step 2: the same without the copy in:
+    1 + 0.256 + max(1, 0.128) + 0.128. Plus the call."""
     cost = Cost(gamma=2e-9, copy_beta=1e-9, flag_alpha=1e-6, call_alpha=5e-6, segment_bytes=256)
     r = simulate("shm", "allreduce", Layout(1, 2, 2), 128, "float32", cost)
-    assert r.time == pytest.approx(5e-6 + 2 * (0.128 + 1 + 0.256 + 1 + 0.128) * 1e-6, rel=1e-12)
+    step = (1 + 0.256 + 1 + 0.128) * 1e-6
+    assert r.time == pytest.approx(5e-6 + 0.128e-6 + 2 * step, rel=1e-12)
     assert (r.steps, r.msgs_max, r.sent_max, r.reduced_max) == (4, 4, 256, 256)
+
+
+def test_the_one_step_path_by_hand():
+    """3 ranks, 1000 float32 (4000 B, under WHOLE_MAX_BYTES and the slot): copy all in (4 us), the peers'
+    copied flag (1 us), reduce all 4000 B from the 3 slots (2 x 8 us); plus the call; closed form the same."""
+    cost = Cost(gamma=2e-9, copy_beta=1e-9, flag_alpha=1e-6, call_alpha=5e-6)
+    r = simulate("shm", "allreduce", Layout(1, 3, 3), 1000, "float32", cost)
+    assert r.time == pytest.approx((5 + 4 + 1 + 16) * 1e-6, rel=1e-12)
+    assert r.time == pytest.approx(shm.closed_form("allreduce", 4000, 3, cost), rel=1e-12)
+    assert (r.steps, r.sent_max, r.reduced_max) == (1, 4000, 8000)
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)
@@ -58,6 +71,8 @@ def test_uneven_counts(collective):
         r = simulate("shm", collective, Layout(1, P, P), count, "float32", cost)
         sizes = np.asarray(chunks(count, P)[0]) * 4
         own = sizes if collective == "allgather" else sizes.sum() - sizes
+        if collective == "allreduce" and 0 < count * 4 <= shm.WHOLE_MAX_BYTES:
+            own = np.full(P, count * 4)  # the one-step path copies the whole buffer in
         assert r.sent_mean == pytest.approx(own.mean())
         times.append(r.time)
     assert times[0] == 0.0 and times == sorted(times)

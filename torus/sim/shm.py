@@ -8,7 +8,9 @@ transport's default, ``SEGMENT_BYTES``); a reduction's step moves ``s = slot/P``
 ``n_q`` bytes of chunk ``q`` in the step:
 
 1. copy in: the peers' pieces (all-reduce, reduce-scatter: ``Σ_{q≠r} n_q``; all-gather: ``n_r``) at
-   ``copy_beta`` s/B, then publish ``copied``;
+   ``copy_beta`` s/B; for step 0 before the loop, for step ``i + 1`` during step ``i``, right after the
+   reduction (the transport's overlap with the peers' reductions); ``copied`` is published at the start of
+   the step, once the previous step's copy out is done;
 2. join: wait until every peer has published, plus ``flag_alpha`` (a flag store seen by another core);
 3. reduce the own piece from the ``P`` inputs: ``(P-1)·γ·n_r`` (γ per byte reduced, as ``reduce_into``; one
    rank alone copies it instead, ``copy_beta·n_r``); all-reduce: publish ``reduced``;
@@ -16,12 +18,16 @@ transport's default, ``SEGMENT_BYTES``); a reduction's step moves ``s = slot/P``
    once its ``reduced`` is seen (its time plus ``flag_alpha``); all-gather: the join sufficed; reduce-scatter
    copies nothing.
 
+An all-reduce of at most ``WHOLE_MAX_BYTES`` (and one slot) on ``P >= 2`` ranks takes the one-step path
+instead: copy all ``M`` bytes in, join, reduce all of them from the ``P`` slots: ``call + b·M + a + (P-1)·γ·M``.
+
 A call also pays ``call_alpha`` once (TorusComm's Python work around the step loop). ``replay`` runs these
 per-rank clocks over every step (any count: uneven chunks, empty pieces skip their reduction and their wait);
 ``closed_form`` is the symmetric case (``P`` divides the count, every chunk a whole number ``S`` of steps):
 
-- all-reduce: ``call + S·(a + max(a, b·s) + 2(P-1)·b·s + (P-1)·γ·s)``, ``s = slot/P``; the own chunk's copy
-  out overlaps the wait for the peers' ``reduced``, hence the ``max``;
+- all-reduce: ``call + (P-1)·b·s + S·(a + (P-1)·γ·s + (P-1)·b·s) + (S-1)·max(a, P·b·s) + max(a, b·s)``,
+  ``s = slot/P``: after its reduction a rank copies in the next step and its own chunk out while the peers'
+  ``reduced`` arrive, hence the ``max``es (the last step has no next copy in);
 - reduce-scatter: ``call + S·(a + (P-1)·(b + γ)·s)``;
 - all-gather: ``call + S·(a + P·b·s)`` with ``s = slot``;
 
@@ -29,9 +35,8 @@ per-rank clocks over every step (any count: uneven chunks, empty pieces skip the
 ``(P-1)/P·M``, as the transport's docstring counts them. Flags on the critical path: 2 per step for an
 all-reduce, 1 otherwise.
 
-This follows ``run`` step for step as it is now; a change to the protocol (a one-step path for small calls,
-a copy in overlapped with the peers' reduction) needs its counterpart here and in the closed forms. Not
-modelled: ``run_window`` (``TorusComm.alloc`` buffers), and waits when ranks outnumber cores (a scheduler
+This follows ``run`` and ``run_whole`` step for step as they are now; a change to the protocol needs its
+counterpart here and in the closed forms. Not modelled: ``run_window`` (``TorusComm.alloc`` buffers), and waits when ranks outnumber cores (a scheduler
 hand-off, not a flag latency; bench/README.md).
 """
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torus.partition import chunks
 from torus.sim.model import Cost, Layout, SimulationError
 
 SEGMENT_BYTES = 256 << 10  # torus.runtime.shm.SEGMENT_BYTES (not imported: the simulator needs no compiled code)
+WHOLE_MAX_BYTES = 16 << 10  # torus.runtime.shm.WHOLE_MAX_BYTES: all-reduces up to it (and the slot) take one step
 
 
 def slot_bytes(cost: Cost, P: int) -> int:
@@ -71,12 +77,22 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
     nsteps = -(-int(counts.max(initial=0)) // seg)
     t = np.full(P, float(call) if count else 0.0)
     copied, reduced, flags = np.zeros(P), np.zeros(P), np.zeros(P)
+    if collective == "allreduce" and P > 1 and 0 < count * itemsize <= min(WHOLE_MAX_BYTES, slot):
+        M = count * itemsize  # one step: every rank copies all in, joins, reduces everything from the slots
+        return float(call + b * M + a + (P - 1) * g * M), 1, np.full(P, float(M)), np.full(P, (P - 1.0) * M), \
+            np.ones(P)
     ranks = np.arange(P)
+
+    def piece(i):  # bytes of every chunk in step i, and what this rank copies in for it
+        n = np.clip(counts - i * seg, 0, seg) * itemsize
+        return n, (n if collective == "allgather" else n.sum() - n)
+
+    if nsteps:
+        t = t + b * piece(0)[1]
+        copied += piece(0)[1]
     for i in range(nsteps):
-        n = np.clip(counts - i * seg, 0, seg) * itemsize  # bytes of every chunk in this step
-        inbytes = n if collective == "allgather" else n.sum() - n
-        done = t + b * inbytes
-        copied += inbytes
+        n, _ = piece(i)
+        done = t  # this step's input is in: copied published
         flags += 1
         # join: every peer's copied flag, seen flag_alpha after it was stored (one rank alone waits for none)
         first = int(np.argmax(done))
@@ -89,12 +105,14 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
         else:
             ready = join + np.where(n > 0, (P - 1) * g * n if P > 1 else b * n, 0.0)
             reduced += np.where(n > 0, (P - 1) * n, 0)
-        if collective == "reduce_scatter":
-            t = ready
-            continue
         if collective == "allreduce":
             flags += 1
         t = ready.copy()
+        if i + 1 < nsteps:  # the next step's copy in, while the peers finish reducing this one
+            t = t + b * piece(i + 1)[1]
+            copied += piece(i + 1)[1]
+        if collective == "reduce_scatter":
+            continue
         for k in range(P):  # copy out chunk rank + k on every rank
             q = (ranks + k) % P
             take = (n[q] > 0) & (k > 0 or collective != "allgather")
@@ -117,4 +135,7 @@ def closed_form(collective: str, M: float, P: int, cost: Cost) -> float:
     S = M / P / s
     if collective == "reduce_scatter":
         return call + S * (a + (P - 1) * (b + g) * s)
-    return call + S * (a + max(a, b * s) + 2 * (P - 1) * b * s + (P - 1) * g * s)
+    if M <= min(WHOLE_MAX_BYTES, slot):
+        return call + b * M + a + (P - 1) * g * M
+    return (call + (P - 1) * b * s + S * (a + (P - 1) * g * s + (P - 1) * b * s) + (S - 1) * max(a, P * b * s)
+            + max(a, b * s))
