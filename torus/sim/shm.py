@@ -36,8 +36,8 @@ per-rank clocks over every step (any count: uneven chunks, empty pieces skip the
 all-reduce, 1 otherwise.
 
 This follows ``run`` and ``run_whole`` step for step as they are now; a change to the protocol needs its
-counterpart here and in the closed forms. Not modelled: ``run_window`` (``TorusComm.alloc`` buffers), and waits when ranks outnumber cores (a scheduler
-hand-off, not a flag latency; bench/README.md).
+counterpart here and in the closed forms. Not modelled: ``run_window`` (``TorusComm.alloc`` buffers), and
+waits when ranks outnumber cores (a scheduler hand-off, not a flag latency; bench/README.md).
 """
 from __future__ import annotations
 
