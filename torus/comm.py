@@ -228,7 +228,7 @@ class TorusComm:
         (a slice, out of place, reduce-scatter) takes the ordinary path.
 
         Raises ValueError when the ranks span several nodes or ``count`` is negative, TypeError for a dtype
-        torus does not reduce."""
+        torus does not reduce, MemoryError (on every rank) when the node's /dev/shm cannot hold it."""
         return self._shm.alloc("alloc", count, dtype, self.topology.nodes)
 
     def free_alloc(self, array: np.ndarray) -> None:

@@ -45,6 +45,7 @@ class WindowBuffers:
     def __init__(self, torus_comm):
         self.torus_comm = torus_comm
         self._shared: OrderedDict = OrderedDict()  # (wire dtype, count) -> TorusComm.alloc array
+        self._plain: set = set()  # keys whose buffer is an ordinary array (/dev/shm too small)
         self._outputs: dict = {}  # (dtype, sizes) -> [(base, views)]
         self.made = 0
 
@@ -59,8 +60,16 @@ class WindowBuffers:
             self._shared.move_to_end(key)
             return buf
         if len(self._shared) >= MAX_LAYOUTS:
-            self.torus_comm.free_alloc(self._shared.popitem(last=False)[1])
-        buf = self._shared[key] = self.torus_comm.alloc(count, wire)
+            old_key, old = self._shared.popitem(last=False)
+            if old_key not in self._plain:
+                self.torus_comm.free_alloc(old)
+            self._plain.discard(old_key)
+        try:
+            buf = self.torus_comm.alloc(count, wire)
+        except MemoryError:  # the node's /dev/shm cannot hold it (raised on every rank): an ordinary buffer,
+            buf = np.empty(count, wire)  # all-reduced in place by the ordinary path (one copy in more)
+            self._plain.add(key)
+        self._shared[key] = buf
         self.made += 1
         return buf
 

@@ -110,6 +110,23 @@ def test_more_layouts_than_kept(world, tc, rng):
     assert host.windows.made == (2 * n if SHM else 0)
 
 
+def test_a_full_dev_shm_keeps_ordinary_buffers(world, tc, rng, monkeypatch):
+    """Where the node's /dev/shm cannot hold a shared buffer (here: alloc asks for more headroom than any
+    machine has), alloc raises MemoryError on every rank and the window path all-reduces an ordinary array
+    instead, with the same results; more layouts than kept then still cycle without freeing those."""
+    import torus.runtime.shm as shm_module
+    monkeypatch.setattr(shm_module, "SHM_HEADROOM_BYTES", 1 << 62)
+    host = HostAllreduce(tc, "auto")
+    for _ in range(2):
+        for k in range(1, window_module.MAX_LAYOUTS + 3):
+            x = rng.integers(-50, 50, k).astype(np.int64)
+            (got,) = allreduce_tensors(host, [tf.constant(x)], "sum")
+            np.testing.assert_array_equal(got.numpy(), _mpi_sum(world, x))
+    if SHM:
+        with pytest.raises(MemoryError, match=f"alloc on rank {world.Get_rank()}: a shared buffer of 4096 bytes"):
+            tc.alloc(10, np.float32)
+
+
 def test_fit_through_the_window_matches_one_process(world):
     strategy = TorusStrategy()
     x, y = data(seed=11, n=B * 4)

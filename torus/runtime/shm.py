@@ -94,6 +94,9 @@ OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
 # on current x86: 2,000 polls left 64 KiB at 25 us against 18 us); with more ranks than cores a wait sleeps
 # at once.
 SPIN_POLLS = 20000
+# Where MPI maps shared windows (MPICH and Open MPI on Linux), and what alloc leaves free there for others.
+SHM_DIR = "/dev/shm"
+SHM_HEADROOM_BYTES = 16 << 20
 # All-reduces up to this size (and the slot) run in one step, every rank reducing the whole buffer from
 # the slots (src/_shm.pyx run_whole): one flag wait and no copy out, for ``size`` times the reads (at 2 and 4
 # ranks 10-20% faster from 4 B to 16 KiB, slower from 64 KiB; exploratory, loaded machine).
@@ -275,6 +278,7 @@ class SharedMemory:
         else:
             self._barrier(what, "allocating a shared buffer")
         nbytes = count * dtype.itemsize
+        self._check_room(what, max(-(-nbytes // _PAGE) * _PAGE, _PAGE))
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")
         try:
@@ -286,6 +290,24 @@ class SharedMemory:
         self._buffers[array.ctypes.data] = (win, data, nbytes, self._allocs)
         self._allocs += 1
         return array
+
+    def _check_room(self, what: str, part: int) -> None:
+        """Refuse (MemoryError on every rank, collective) a window of ``part`` bytes per rank that the node's
+        /dev/shm cannot hold: MPI maps shared windows from files there, which a tmpfs creates sparse, so an
+        overfull one is a SIGBUS at the first touch, not an allocation error (Docker's default is 64 MiB)."""
+        try:
+            st = os.statvfs(SHM_DIR)
+            free = st.f_bavail * st.f_frsize
+        except OSError:  # no /dev/shm: MPI maps its windows elsewhere, nothing to check
+            free = None
+        need = part * self.size
+        fits = self.comm.allreduce(int(free is None or free >= need + SHM_HEADROOM_BYTES), op=MPI.MIN)
+        if not fits:
+            have = "unknown" if free is None else f"{free / 2**20:.0f} MiB"
+            raise MemoryError(f"{what} on rank {self.rank}: a shared buffer of {part} bytes on each of the "
+                              f"{self.size} ranks needs {need / 2**20:.0f} MiB of {SHM_DIR}, which has {have} free "
+                              f"on some rank's node (enlarge it, e.g. docker run --shm-size=2g, or all-reduce an "
+                              f"ordinary array)")
 
     def release(self, what: str, array: np.ndarray) -> None:
         """Free ``alloc``'s ``array`` (collective: every rank releases its own, in the same order); the
