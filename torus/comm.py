@@ -113,10 +113,11 @@ class TorusComm:
         comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
                  "local": self.local_comm, "cross": self.cross_comm}
         self._shm = SharedMemory(self.comm, rank, size, o.segment_bytes or None, o.timeout)
-        # Node-level transports for the shared-memory phases across nodes (a window each, set up at first use)
-        host = options.node_memory(self.comm, self.local_comm, t, bool(o.ranks_per_node)) if (
-            o.shm_phases and t.nodes > 1) else None
-        self._node_shm = {} if host is None else {
+        # Node-level transports for the shared-memory phases across nodes (a window each, set up at first use);
+        # node_memory is collective whatever this rank's shm_phases, so that ranks that differ in it reach the
+        # argument check (which names it) rather than hang here
+        host = options.node_memory(self.comm, self.local_comm, t, bool(o.ranks_per_node)) if t.nodes > 1 else None
+        self._node_shm = {} if host is None or not o.shm_phases else {
             name: SharedMemory(comms[name], comms[name].Get_rank(), comms[name].Get_size(),
                                o.segment_bytes or None, o.timeout, t.members(name), host)
             for name in ("local", "row", "col")}
