@@ -110,8 +110,8 @@ class TorusComm:
             kernels.set_num_threads((os.cpu_count() or 1) // self.local_size)
         elif threads not in ("auto", None):
             kernels.set_num_threads(int(threads))
-        comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
-                 "local": self.local_comm, "cross": self.cross_comm}
+        comms: dict = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,  # Split's are Intracomms
+                       "local": self.local_comm, "cross": self.cross_comm}
         self._shm = SharedMemory(self.comm, rank, size, o.segment_bytes or None, o.timeout)
         # Node-level transports for the shared-memory phases across nodes (a window each, set up at first use);
         # node_memory is collective whatever this rank's shm_phases, so that ranks that differ in it reach the

@@ -89,7 +89,7 @@ def discover(comm: MPI.Intracomm, options: Options) -> Topology:
     return Topology(rank, size, dims, node_of)
 
 
-def node_memory(comm: MPI.Intracomm, local: MPI.Intracomm, topology: Topology, emulated: bool) -> int | None:
+def node_memory(comm: MPI.Comm, local: MPI.Comm, topology: Topology, emulated: bool) -> int | None:
     """For the shared-memory phases across nodes: the ranks on this rank's machine (what the transport's spin
     rule counts), or None where some node's ranks do not all share memory (emulated nodes larger than the
     machines they run on), so that no rank runs them. ``local``: this rank's node communicator. Collective

@@ -16,6 +16,7 @@ from torus.ops import OP_CODE
 from torus.runtime import c_step_loop, interpreter
 from torus.runtime.compile import CompiledPlan, _Message, compile_plan
 from torus.runtime.memory import DeviceMemory, HostMemory, copy_untouched
+from torus.runtime.shm import SharedMemory
 from torus.schedules import phases as phased
 from torus.schedules.build import build
 
@@ -31,7 +32,7 @@ class _PlanPhase:
 
 @dataclass(frozen=True)
 class _ShmPhase:
-    transport: object  # torus.runtime.shm.SharedMemory of the phase's communicator
+    transport: SharedMemory  # of the phase's communicator
     phase: phased.Shm
 
     def run(self, ex, what: str, buf, op: str, scale: float, src, check: bool) -> None:
