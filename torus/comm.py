@@ -149,6 +149,12 @@ class TorusComm:
         made; None on one node or emulated nodes when not told."""
         return self._link_gbits
 
+    @property
+    def shm_phases(self) -> bool:
+        """True when calls across nodes run their node-level phases over shared memory (``shm_phases`` on,
+        several nodes, each node's ranks sharing memory; which calls: torus/schedules/phases.py)."""
+        return bool(self._node_shm)
+
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
         """Resolve, choose, agree and run one call; returns what the collective returns."""
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)

@@ -7,6 +7,7 @@ Everything here is checked on the calling rank before any message (ValueError na
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -91,14 +92,15 @@ def discover(comm: MPI.Intracomm, options: Options) -> Topology:
 
 def node_memory(comm: MPI.Comm, local: MPI.Comm, topology: Topology, emulated: bool) -> int | None:
     """For the shared-memory phases across nodes: the ranks on this rank's machine (what the transport's spin
-    rule counts), or None where some node's ranks do not all share memory (emulated nodes larger than the
-    machines they run on), so that no rank runs them. ``local``: this rank's node communicator. Collective
-    when ``emulated``; real nodes are the ranks sharing memory by definition."""
+    rule counts: ranks of the same host name, so that hosts emulated by network namespaces, which share one
+    machine and its name, count together), or None where some node's ranks do not all share memory (emulated
+    nodes larger than the machines they run on), so that no rank runs them. ``local``: this rank's node
+    communicator. Collective; real nodes are ranks sharing memory by definition."""
+    names = comm.allgather(socket.gethostname())
+    ranks = names.count(names[comm.Get_rank()])
     if not emulated:
-        return topology.local_size
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        return ranks
     node = local.Split_type(MPI.COMM_TYPE_SHARED, key=local.Get_rank())
-    ranks, shared = host.Get_size(), node.Get_size() == local.Get_size()
-    host.Free()
+    shared = node.Get_size() == local.Get_size()
     node.Free()
     return ranks if comm.allreduce(shared, op=MPI.LAND) else None
