@@ -7,6 +7,9 @@ count and recvcounts pattern against MPI; hierarchical-rpn2-p2p runs them with t
 """
 from __future__ import annotations
 
+import os
+import socket
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -33,13 +36,13 @@ def _gathered(block, counts):
     return out
 
 
-@pytest.mark.parametrize("off", [False, True])
-def test_the_phases_run_over_shared_memory_unless_turned_off(monkeypatch, off, rng):
-    """Nodes of 2 (the last one smaller at odd sizes): hierarchical opens the node's window on every rank of
-    a node of two, where every node's ranks share memory; ``TORUS_SHM_PHASES=0`` keeps every phase on MPI.
-    Results right either way."""
-    if off:
-        monkeypatch.setenv("TORUS_SHM_PHASES", "0")
+@pytest.mark.parametrize("setting", ["1", "0", "auto"])
+def test_the_phases_run_over_shared_memory_unless_turned_off(monkeypatch, setting, rng):
+    """Nodes of 2 (the last one smaller at odd sizes): with ``TORUS_SHM_PHASES=1`` hierarchical opens the
+    node's window on every rank of a node of two, where every node's ranks share memory; ``=0`` keeps every
+    phase on MPI; unset ("auto") they run where no machine holds more ranks than cores. Results right each
+    way."""
+    monkeypatch.setenv("TORUS_SHM_PHASES", setting)
     tc = torus.TorusComm(ranks_per_node=2, timeout=60)
     x = make(rng, np.int64, "sum", 1001)
     out = tc.allreduce(x, algorithm="hierarchical")
@@ -48,8 +51,12 @@ def test_the_phases_run_over_shared_memory_unless_turned_off(monkeypatch, off, r
     node = tc.local_comm.Split_type(MPI.COMM_TYPE_SHARED)  # across hosts an emulated node may span two
     shared = WORLD.allreduce(node.Get_size() == tc.local_size, op=MPI.LAND)
     node.Free()
-    opened = bool(tc._node_shm) and tc._node_shm["local"].is_open
-    assert opened == (not off and shared and tc.local_size > 1), (off, shared, tc.local_size)
+    names = WORLD.allgather(socket.gethostname())
+    cores = WORLD.allreduce(names.count(names[RANK]) <= (os.cpu_count() or 1), op=MPI.LAND)
+    on = {"1": True, "0": False, "auto": cores}[setting] and shared
+    assert tc.shm_phases == on, (setting, shared, cores)
+    opened = tc.shm_phases and tc._node_shm["local"].is_open
+    assert opened == (on and tc.local_size > 1), (setting, tc.local_size)
     tc.Free()
 
 
@@ -69,7 +76,7 @@ def test_columns_inside_nodes(monkeypatch, mode, rng):
     """Two nodes dealt out round robin: the torus2d grid's columns are the nodes, so its column phases run
     over shared memory (all-reduce columns first); hierarchical's local communicator is every other rank."""
     monkeypatch.setattr(options, "discover", _round_robin(2))
-    tc = torus.TorusComm(timeout=60, link_gbits=10.0)
+    tc = torus.TorusComm(timeout=60, link_gbits=10.0, shm_phases=True)
     assert tc.topology.node_axis == "col" and tc.topology.columns_first
     counts = [2 * r + 3 if r % 3 else 0 for r in range(SIZE)]
     for algo in ("torus2d", "hierarchical"):
@@ -100,7 +107,7 @@ def test_back_to_back_calls_of_changing_sizes(rng):
     """30 calls over nodes of 2, algorithms, collectives and sizes changing every call (0 and 1 element among
     them), no synchronisation between them; every result is checked only after all have run, so a stale
     segment or flag of an earlier call on a node's window would show."""
-    tc = torus.TorusComm(ranks_per_node=2, timeout=60, segment_bytes=512)
+    tc = torus.TorusComm(ranks_per_node=2, timeout=60, segment_bytes=512, shm_phases=True)
     sizes = [0, 1, 300, 5, 4096, 1, 77, 10_001, 3]
     calls = []
     for i in range(30):
@@ -132,7 +139,7 @@ def test_a_rank_that_never_comes_is_a_timeout_naming_it():
     """Rank 1 (on node 0 with rank 0) skips a hierarchical all-reduce, the check off: rank 0 waits for it
     in the node's shared-memory all-reduce and names it; every other rank raises TimeoutError too (a leader
     in the ring across nodes, the others waiting for their leader's broadcast), none hangs."""
-    tc = torus.TorusComm(ranks_per_node=2, check=False, timeout=2)
+    tc = torus.TorusComm(ranks_per_node=2, check=False, timeout=2, shm_phases=True)
     x = np.ones(10, np.float64)
     assert np.array_equal(tc.allreduce(x, algorithm="hierarchical"), np.full(10, float(SIZE)))  # windows set up
     if RANK != 1:
@@ -150,7 +157,7 @@ def test_the_argument_check_names_the_odd_rank(rng):
     """Check on: a rank with another count, or with the phases off, is a MismatchError on every rank before
     any data moves (the all-gather of signatures runs before the first shared-memory phase)."""
     last = SIZE - 1
-    tc = torus.TorusComm(ranks_per_node=2, timeout=60)
+    tc = torus.TorusComm(ranks_per_node=2, timeout=60, shm_phases=True)
     n = 20 if RANK == last else 24
     with pytest.raises(torus.MismatchError, match=r"allreduce\(hierarchical\) on rank [0-9]+: ranks disagree "
                                                   rf"on count \(ranks 0-{last - 1} have 24; rank {last} has 20\)"):
