@@ -75,7 +75,7 @@ class TorusComm:
         as before (torus/schedules/phases.py). None (default; ``TORUS_SHM_PHASES=1``/``0`` force it): on
         where every machine has a core per rank (ranks counted by host name); with more ranks than cores
         each shared-memory step waits until every rank has been scheduled, and the phases measured slower
-        than MPI's messages (bench/README.md, "Shared-memory phases"). Must come out equal on every rank
+        than MPI's messages (bench/README.md, "Shared-memory phases across hosts"). Must come out equal on every rank
         (the argument check compares it). Emulated nodes (``ranks_per_node``) use it
         only where each one's ranks share memory. Results are exact and bitwise identical on every rank
         either way, though not always bitwise equal between the two (the node level reduces in another
