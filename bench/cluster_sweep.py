@@ -3,12 +3,14 @@
     python bench/cluster_sweep.py                        # as root; the default sweep (about 6 minutes)
     python bench/cluster_sweep.py --rates 1gbit --layouts 2x2 --iters 3   # a shorter one
     python bench/cluster_sweep.py --iters 40 --max-bytes 256K --sim none --out /tmp/small   # small sizes, more runs
+    python bench/cluster_sweep.py --round-robin --layouts 2x2 --rates 1gbit --sim none --out /tmp/rr   # ranks dealt out
 
 For each rate and layout (HOSTSxRANKS_PER_HOST) it brings up an emulated cluster (tests/cluster: network
 namespaces on a bridge, ``tc tbf`` on every host link, TCP between hosts), runs
 ``torus-bench allreduce -b 64K -e 64M -f 4`` over every algorithm and ``native`` with ranks placed in blocks
-(hydra ``-hosts h1:L,h2:L``), and writes ``bench/results/cluster_<layout>_<rate>.json`` (torus-bench's JSON,
-with the cluster's hosts, ranks per host and link rate under ``environment.cluster``) and one text file,
+(hydra ``-hosts h1:L,h2:L``; ``--round-robin``: one per host in turn, ``-hosts h1,h2``), and writes
+``bench/results/cluster_<layout>_<rate>.json`` (torus-bench's JSON, with the cluster's hosts, ranks per host,
+link rate and placement under ``environment.cluster``) and one text file,
 ``bench/results/cluster_sweep.txt``: each run's table and, per size, every algorithm's time over the best
 one (``auto``'s ratio is the figure of merit of torus/select.py's multi-node rule). On the ``--sim``
 layouts (default 2x2) ``torus-sim --fit`` then ``--validate`` run on the same links
@@ -45,21 +47,31 @@ def _layout(text: str) -> tuple[int, int]:
     return hosts, ppn
 
 
+PLACEMENTS = ("out_of_place", "in_place")
+
+
 def ratios(rows: list[dict]) -> list[str]:
-    """Per size: every algorithm's time over the fastest algorithm's (out of place / in place)."""
+    """Per size: every algorithm's time over the fastest algorithm's (out of place / in place), and "picked":
+    the time of the algorithm auto picked, in its own row, over the fastest (auto's own row times the same
+    schedule again: the two differ by the run's noise)."""
     lines = []
     algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    picked = "auto" in algos
     lines.append("# time / best time per size (out of place / in place); best: the fastest per placement")
-    lines.append(f"#{'size':>10} " + " ".join(f"{a:>13}" for a in algos) + "  best")
+    lines.append(f"#{'size':>10} " + " ".join(f"{a:>13}" for a in algos + ["picked"] * picked) + "  best")
     for size in sorted({r["size"] for r in rows}):
         mine = {r["algorithm"]: r for r in rows if r["size"] == size}
-        cells, best = [], []
-        for p in ("out_of_place", "in_place"):
-            fastest = min(mine.values(), key=lambda r: r[p]["time_us"])
-            best.append(fastest["algorithm"])
+        fastest = [min(m[p]["time_us"] for m in mine.values()) for p in PLACEMENTS]
+        best = ["/".join(a for a, m in mine.items() if m[p]["time_us"] == fastest[i])
+                for i, p in enumerate(PLACEMENTS)]
+        cells = []
         for a in algos:
-            r = mine[a]
-            t = [r[p]["time_us"] / min(m[p]["time_us"] for m in mine.values()) for p in ("out_of_place", "in_place")]
+            t = [mine[a][p]["time_us"] / fastest[i] for i, p in enumerate(PLACEMENTS)]
+            cells.append(f"{t[0]:6.2f}/{t[1]:<6.2f}")
+        if picked:
+            picks = mine["auto"]["resolved"].split("/")
+            picks = picks * 2 if len(picks) == 1 else picks
+            t = [mine[a][p]["time_us"] / fastest[i] for i, (a, p) in enumerate(zip(picks, PLACEMENTS))]
             cells.append(f"{t[0]:6.2f}/{t[1]:<6.2f}")
         lines.append(f" {size:>10} " + " ".join(f"{c:>13}" for c in cells) + "  " + "/".join(best))
     return lines
@@ -86,6 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results")
     ap.add_argument("--max-bytes", default="64M", help="largest size (torus-bench -e; default 64M)")
     ap.add_argument("--limit", type=int, default=180, help="seconds each torus-bench run may take")
+    ap.add_argument("--round-robin", action="store_true",
+                    help="deal the ranks out one per host in turn (hydra -hosts h1,h2), not in blocks; results "
+                         "named cluster_<layout>_<rate>_rr")
     args = ap.parse_args(argv)
     why = unavailable()
     if why:
@@ -98,18 +113,19 @@ def main(argv=None) -> int:
     for rate in args.rates.split(","):
         for layout in args.layouts.split(","):
             hosts, ppn = _layout(layout)
-            tag = f"{hosts}x{ppn}_{rate}"
+            tag = f"{hosts}x{ppn}_{rate}" + ("_rr" if args.round_robin else "")
             json_path = out / f"cluster_{tag}.json"
             with Cluster(hosts, rate, "torusb", 15) as cluster:
-                launch = cluster.mpiexec(ppn) + ["-n", str(hosts * ppn)]
+                launch = cluster.mpiexec(ppn, round_robin=args.round_robin) + ["-n", str(hosts * ppn)]
                 load = os.getloadavg()
                 t0 = time.monotonic()
                 rc, log = _run(tag, launch + [bench, "allreduce", "-b", "64K", "-e", args.max_bytes, "-f", "4", "-n",
                                               str(args.iters), "-w", "1", "--algo", ALGOS, "--json",
                                               str(json_path)], args.limit)
                 took = time.monotonic() - t0
-                text += [f"## {hosts} hosts x {ppn} ranks, links {rate}: exit status {rc}, {took:.0f} s, load "
-                         f"average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after", log.rstrip()]
+                placed = "round robin" if args.round_robin else "blocks"
+                text += [f"## {hosts} hosts x {ppn} ranks ({placed}), links {rate}: exit status {rc}, {took:.0f} s, "
+                         f"load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after", log.rstrip()]
                 if rc == 0 and json_path.exists():
                     text += ratios(json.loads(json_path.read_text())["results"])
                 else:

@@ -12,7 +12,10 @@ Model: ``keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), clas
 90 MiB of float32 gradients), SGD with momentum, random data, one TensorFlow thread per rank
 (intra/inter-op = 1). The first ``--warmup`` steps (tracing) are not timed; the step time is the median over
 ``--steps`` steps of rank 0's wall time between batch begin and batch end (every step ends with the all-reduce,
-so ranks stay in lock-step). Rank 0 prints one JSON line and, with ``--json``, appends it to that file.
+so ranks stay in lock-step). ``allreduce_s`` is the time inside ``HostAllreduce``: with ``--window on`` (where
+shm runs) that includes fusing and splitting, which ``--window off`` leaves to TensorFlow outside it;
+bench/keras_allreduce.py times the whole path alike. Rank 0 prints one JSON line and, with ``--json``, appends
+it to that file.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (2)")
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--compression", default="none", choices=("none", "fp16", "bf16"))
+    ap.add_argument("--window", choices=("on", "off"), default="on",
+                    help="fuse the gradients into a TorusComm.alloc buffer where shm runs (HostAllreduce.window)")
     ap.add_argument("--json", help="append the result line to this file")
     args = ap.parse_args()
 
@@ -43,6 +48,7 @@ def main() -> None:
     from torus.integrations.keras import TorusStrategy
 
     strategy = TorusStrategy(algorithm=args.algorithm, compression=args.compression)
+    strategy.host.window = args.window == "on"  # read when the step is traced
     with strategy.scope():
         model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "sparse_categorical_crossentropy",
@@ -70,6 +76,7 @@ def main() -> None:
     step, red = float(np.median(times)), float(np.median(reduce_s))
     grads = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     result = {"ranks": strategy.size, "per_rank_batch": args.batch, "algorithm": args.algorithm,
+              "window": args.window, "windows_made": strategy.host.windows.made,
               "compression": args.compression, "grid": list(strategy.torus_comm.dims), "gradient_mib":
               grads * 4 / 2**20, "step_s": step, "allreduce_s": red, "allreduce_fraction": red / step,
               "images_per_s": args.batch * strategy.size / step, "steps_timed": len(times),

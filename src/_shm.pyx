@@ -17,9 +17,14 @@ cnp.import_array()
 cdef extern from "shm_flags.h" nogil:
     uint64_t torus_flag_load(const uint64_t* flag)
     void torus_flag_store(uint64_t* flag, uint64_t value)
+    void torus_flag_sleep(const uint64_t* flag, uint64_t seen, double seconds)
     void torus_cpu_relax()
 
-from host_c cimport monotonic_s, reduce_t, sched_yield
+cdef extern from "shm_copy.h" nogil:
+    void torus_copy_stream(char* dst, const char* src, size_t n)
+    void torus_stream_fence()
+
+from host_c cimport monotonic_s, reduce_t
 
 cdef reduce_t _reduce_raw = <reduce_t>PyCapsule_GetPointer(_reduce.raw_reduce(), b"torus._ext._reduce.raw")
 
@@ -39,6 +44,7 @@ cpdef enum:
     ALLREDUCE = 0
     REDUCE_SCATTER = 1
     ALLGATHER = 2
+    ALLREDUCE_WHOLE = 3
 
 cpdef enum:
     DONE = 0
@@ -53,13 +59,18 @@ cdef uint64_t _ERROR_SIG = 0xFFFFFFFFFFFFFFFFULL
 ERROR_SIG = _ERROR_SIG
 
 
+# Longest single sleep of a wait: how often a sleeping rank looks at its deadline (a wake-up is never lost).
+cdef double _NAP = 0.05
+
+
 cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) noexcept nogil:
     """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without. Polls ``spin`` times
-    (a few microseconds when every rank has its own core) before yielding the core after every unsuccessful
-    look, as the C step loop does: with more ranks than cores the rank waited for may need this very core."""
-    cdef double deadline = 0.0
+    (a few microseconds when every rank has its own core), then sleeps on the flag until its writer wakes it
+    (src/shm_flags.h): with more processes than cores the rank waited for may need this very core."""
+    cdef double deadline = 0.0, left = _NAP
     cdef int polls = 0
-    if torus_flag_load(flag) >= target:
+    cdef uint64_t seen = torus_flag_load(flag)
+    if seen >= target:
         return 0
     while polls < spin:
         torus_cpu_relax()
@@ -68,14 +79,17 @@ cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) 
         polls += 1
     if timeout > 0:
         deadline = monotonic_s() + timeout
-    polls = 0
     while True:
-        sched_yield()
-        if torus_flag_load(flag) >= target:
+        seen = torus_flag_load(flag)
+        if seen >= target:
             return 0
-        polls += 1
-        if timeout > 0 and (polls & 63) == 0 and monotonic_s() > deadline:
-            return 1
+        if timeout > 0:
+            left = deadline - monotonic_s()
+            if left <= 0:
+                return 1
+            if left > _NAP:
+                left = _NAP
+        torus_flag_sleep(flag, seen, left)
 
 
 cdef inline int64_t _piece(int64_t count, int64_t lo, int64_t seg) noexcept nogil:
@@ -102,16 +116,39 @@ cdef int _join(const int64_t[::1] bases, int rank, int P, uint64_t cur, uint64_t
     return DONE
 
 
+cdef void _copy_in(const int64_t[::1] bases, int rank, int P, const char* s, const int64_t[::1] counts,
+                   const int64_t[::1] displs, int64_t lo, int64_t seg, int64_t stride, int64_t slot_bytes,
+                   Py_ssize_t item, int mode, uint64_t step, uint64_t sig) noexcept nogil:
+    """Copy in what the peers need at ``step`` (elements ``[lo, lo + seg)`` of each chunk) into our buffer
+    ``step & 1``, and the signature into its header: our own chunk for all-gather, every other rank's chunk
+    for a reduction (our own chunk is reduced from src where it lies). Published by the caller."""
+    cdef char* mine = <char*>bases[rank] + FLAG_AREA + <int64_t>(step & 1) * (HEADER + slot_bytes)
+    cdef int64_t n
+    cdef int r
+    if mode == ALLGATHER:
+        n = _piece(counts[rank], lo, seg)
+        if n:
+            memcpy(mine + HEADER, s + lo * item, n * item)
+    else:
+        for r in range(P):
+            n = _piece(counts[r], lo, seg)
+            if n and r != rank:
+                memcpy(mine + HEADER + r * stride, s + (displs[r] + lo) * item, n * item)
+    (<uint64_t*>mine)[0] = sig
+
+
 def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarray out not None,
         const int64_t[::1] counts, const int64_t[::1] displs, int64_t seg, int64_t stride, int64_t slot_bytes,
         int mode, int kind, int op, double scale, int nthreads, double timeout, int spin, uint64_t seq,
-        uint64_t sig):
+        uint64_t sig, bint stream):
     """Run one collective over the window whose ranks' regions start at ``bases`` (addresses).
 
     ``src``: the input (all chunks; all-gather: this rank's chunk); ``out``: the output (all chunks;
     reduce-scatter: this rank's chunk); ``counts``/``displs``: every rank's chunk, in elements. Step ``i``
     moves elements ``[i*seg, (i+1)*seg)`` of every chunk, each in its sub-slot ``stride`` bytes apart (one
-    sub-slot for all-gather), with flag value ``seq + i + 1``. A wait polls ``spin`` times before yielding.
+    sub-slot for all-gather), with flag value ``seq + i + 1``. A wait polls ``spin`` times before sleeping.
+    ``stream``: copy out with non-temporal stores (src/shm_copy.h; for outputs larger than the caches that
+    are not the input, whose lines a copy out would otherwise first read).
     Returns ``(status, step, peer, nsteps)``: status DONE, STALLED_COPY / STALLED_REDUCE (no progress for
     ``timeout`` s waiting on ``peer``'s copy-in / reduced chunk at ``step``), MISMATCH (``peer``'s signature
     differs from ``sig``), PEER_ERROR (``peer`` announced an argument error instead)."""
@@ -129,26 +166,15 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
             maxc = counts[r]
     nsteps = (maxc + seg - 1) // seg
     with nogil:
+        if nsteps:
+            _copy_in(bases, rank, P, s, counts, displs, 0, seg, stride, slot_bytes, item, mode, seq + 1, sig)
         for i in range(nsteps):
             cur = seq + <uint64_t>i + 1
             buf_off = FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)  # double buffer by parity
             lo = i * seg
             mine = <char*>bases[rank] + buf_off
             sub = HEADER + rank * stride
-            # Copy in what the peers need: our own chunk for all-gather, every other rank's chunk for a
-            # reduction (our own chunk is reduced from src where it lies). Buffer (cur & 1) is free: every
-            # peer passed step cur - 1 (we waited for that below), which it enters only after its last read
-            # of this buffer, in step cur - 2.
-            if mode == ALLGATHER:
-                n = _piece(counts[rank], lo, seg)
-                if n:
-                    memcpy(mine + HEADER, s + lo * item, n * item)
-            else:
-                for r in range(P):
-                    n = _piece(counts[r], lo, seg)
-                    if n and r != rank:
-                        memcpy(mine + HEADER + r * stride, s + (displs[r] + lo) * item, n * item)
-            (<uint64_t*>mine)[0] = sig
+            # This step's input is in (copied during the step before, see below): publish it.
             torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur)
             # Wait for every peer's input; check it is the same call.
             status = _join(bases, rank, P, cur, sig, buf_off, timeout, spin, &peer)
@@ -167,10 +193,17 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                     q = (rank + k) % P
                     _reduce_raw(kind, acc, own if k == 1 else acc, <char*>bases[q] + buf_off + sub, n, item, op,
                                 scale if k == P - 1 else 1.0, nthreads)
-            if mode == REDUCE_SCATTER:
-                continue
             if mode == ALLREDUCE:
                 torus_flag_store(<uint64_t*>(<char*>bases[rank] + REDUCED), cur)
+            # Copy in the next step's input now, while the peers finish reducing this one (its ``copied`` is
+            # published only after this step's copy out, so a peer that sees it knows we are done reading
+            # its buffers of this step). Buffer (cur + 1) & 1 is free: every peer published ``copied = cur``
+            # (we waited for it above) after its last read of that buffer, in step cur - 1.
+            if i + 1 < nsteps:
+                _copy_in(bases, rank, P, s, counts, displs, lo + seg, seg, stride, slot_bytes, item, mode, cur + 1,
+                         sig)
+            if mode == REDUCE_SCATTER:
+                continue
             # Copy out every rank's (reduced) chunk, starting with our own, then the next ranks, so that the
             # ranks do not all read the same peer at once.
             for k in range(P):
@@ -182,11 +215,49 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                                                               timeout, spin):
                     status, peer = STALLED_REDUCE, q
                     break
-                memcpy(o + (displs[q] + lo) * item,
-                       <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0), n * item)
+                if stream:
+                    torus_copy_stream(o + (displs[q] + lo) * item,
+                                      <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0),
+                                      n * item)
+                else:
+                    memcpy(o + (displs[q] + lo) * item,
+                           <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0), n * item)
             if status:
                 break
+        if stream:
+            torus_stream_fence()
     return status, i, peer, nsteps
+
+
+def run_whole(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarray out not None,
+              int64_t slot_bytes, int kind, int op, double scale, int nthreads, double timeout, int spin,
+              uint64_t seq, uint64_t sig):
+    """All-reduce of a buffer that fits one slot (``src.nbytes <= slot_bytes``) in one step, flag value
+    ``seq + 1``: every rank copies its whole input into its slot, waits for every peer's (and compares
+    signatures), then reduces every element itself from the slots, ranks in the order 0, 1, ..., size - 1 on
+    every rank (so every rank's result is bitwise identical), into ``out`` (may be ``src``: only slots are
+    read). One flag wait instead of two per step, and no copy out, for ``size`` times the reads: what
+    small calls want. Returns ``(status, 0, peer, 1)`` with the statuses of ``run``."""
+    cdef int P = bases.shape[0], q, status = DONE, peer = -1
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(out)
+    cdef int64_t n = cnp.PyArray_SIZE(out)
+    cdef uint64_t cur = seq + 1
+    cdef int64_t buf_off = FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)
+    cdef char* mine = <char*>bases[rank] + buf_off
+    cdef char* o = <char*>cnp.PyArray_DATA(out)
+    with nogil:
+        if n:
+            memcpy(mine + HEADER, <char*>cnp.PyArray_DATA(src), n * item)
+        (<uint64_t*>mine)[0] = sig
+        torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur)
+        status = _join(bases, rank, P, cur, sig, buf_off, timeout, spin, &peer)
+        if status == DONE and n:
+            _reduce_raw(kind, o, <char*>bases[0] + buf_off + HEADER, <char*>bases[1] + buf_off + HEADER, n, item,
+                        op, scale if P == 2 else 1.0, nthreads)
+            for q in range(2, P):
+                _reduce_raw(kind, o, o, <char*>bases[q] + buf_off + HEADER, n, item, op,
+                            scale if q == P - 1 else 1.0, nthreads)
+    return status, 0, peer, 1
 
 
 def announce_error(int64_t base, int64_t slot_bytes, uint64_t seq):

@@ -2,14 +2,17 @@
 brute force, and the 2D-torus all-reduce on nodes placed in blocks and round robin, every rank's plan run by
 the real Executor over the in-process transport of test_sim_replay_matches_executor: the result against
 numpy, and the bytes that cross nodes against the closed form ``2(C-1)/C * M`` per node (what the
-hierarchical all-reduce moves; a grid whose first phase crossed nodes would move ``L`` times that)."""
+hierarchical all-reduce moves; a grid whose first phase crossed nodes would move ``L`` times that). The ring
+(all three collectives) on the same layouts: node by node, one rank per node sends across (the rank order, on
+round-robin nodes, crossed at every hop), and on nodes in blocks exactly the rank-order plan of before."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from tests.test_sim_replay_matches_executor import _Recording, _Transport, run_ranks
-from torus.schedules import torus2d
+from torus.partition import chunks, displacements
+from torus.schedules import ring, torus2d
 from torus.schedules.build import build
 from torus.topology import Topology, default_dims, node_dims
 
@@ -102,3 +105,77 @@ def test_a_square_grid_across_round_robin_nodes_moved_more():
     for b, b_rf in zip(bufs, bufs_rf):
         np.testing.assert_allclose(b, np.sum(data, axis=0), rtol=1e-12)
         np.testing.assert_allclose(b_rf, b, rtol=1e-12)
+
+
+def _run_ring(collective, node_of, data, builder=None):
+    """Every rank's ring plan for ``collective`` (``build``'s, or ``builder(topology, counts)``'s) on its copy
+    of ``data[r]``, through the Executor; returns (buffers, bytes sent across nodes per node)."""
+    size, count = len(node_of), data.shape[1]
+    counts = count if collective == "allreduce" else tuple(chunks(count, size)[0])
+    builder = builder or (lambda topo, n: build(collective, "ring", topo, n))
+    t = _Transport()
+    bufs, runs = [d.copy() for d in data], []
+    for r in range(size):
+        topo = Topology(r, size, (1, size), node_of)
+        ex = _Recording({n: t.comm(topo, n) for n in ("world", "row", "col", "local", "cross")}, r, 64, None)
+        ex.c_loop, ex.log = False, []
+        runs.append((ex, ex.compile(builder(topo, counts), 8)))
+    run_ranks(size, lambda r: runs[r][0].run(collective, runs[r][1], bufs[r], "sum", 1.0))
+    crossing = [0] * (max(node_of) + 1)
+    for r, events in t.log.items():
+        for kind, _, peer, nbytes, _ in events:
+            if kind == "send" and node_of[peer] != node_of[r]:
+                crossing[node_of[r]] += nbytes
+    return bufs, crossing
+
+
+@pytest.mark.parametrize("C,L", [(2, 2), (2, 3), (3, 2), (4, 2)])
+def test_ring_allreduce_on_round_robin_nodes_crosses_once_per_node(C, L):
+    node_of, N = _round_robin(C, L), C * L
+    count = 6 * N * 7 + 5  # uneven chunks
+    data = np.random.default_rng(N).standard_normal((N, count))
+    bufs, crossing = _run_ring("allreduce", node_of, data)
+    for r, b in enumerate(bufs):
+        np.testing.assert_allclose(b, np.sum(data, axis=0), rtol=1e-12, err_msg=f"rank {r}")
+        assert b.tobytes() == bufs[0].tobytes(), f"rank {r} differs from rank 0"
+    # one rank per node sends across, 2(N-1) chunks of about M/N; the rank order sent L times that
+    M, slack = count * 8, 2 * (N - 1) * 8
+    assert all(abs(sent - 2 * (N - 1) / N * M) <= slack for sent in crossing), crossing
+    rank_order = lambda topo, n: ring.allreduce("world", topo.rank, topo.size, n)  # noqa: E731
+    bufs_ro, crossing_ro = _run_ring("allreduce", node_of, data, rank_order)
+    assert all(abs(sent - L * 2 * (N - 1) / N * M) <= L * slack for sent in crossing_ro), crossing_ro
+    np.testing.assert_allclose(bufs_ro[0], bufs[0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather"])
+@pytest.mark.parametrize("C,L", [(2, 2), (3, 2), (2, 3)])
+def test_ring_blocks_land_on_their_ranks_on_round_robin_nodes(collective, C, L):
+    # integer-valued floats: every order of summation is exact, so the oracle is numpy's sum to the bit
+    node_of, N = _round_robin(C, L), C * L
+    count = 5 * N + 3
+    counts, displs = chunks(count, N)
+    data = np.random.default_rng(N).integers(-50, 50, (N, count)).astype(np.float64)
+    bufs, crossing = _run_ring(collective, node_of, data)
+    total = np.sum(data, axis=0)
+    for r, b in enumerate(bufs):
+        if collective == "reduce_scatter":
+            mine = slice(displs[r], displs[r] + counts[r])
+            np.testing.assert_array_equal(b[mine], total[mine], err_msg=f"rank {r}")
+        else:
+            want = np.concatenate([data[q][displs[q]:displs[q] + counts[q]] for q in range(N)])
+            np.testing.assert_array_equal(b, want, err_msg=f"rank {r}")
+    assert all(abs(sent - (N - 1) / N * count * 8) <= (N - 1) * 8 for sent in crossing), crossing
+
+
+@pytest.mark.parametrize("C,L", [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather"])
+def test_ring_on_nodes_in_blocks_is_the_rank_order_plan(C, L, collective):
+    N, count = C * L, 4 * C * L + 3
+    counts = count if collective == "allreduce" else tuple(chunks(count, N)[0])
+    for r in range(N):
+        topo = Topology(r, N, (1, N), _blocks(C, L))
+        if collective == "allreduce":
+            before = ring.allreduce("world", r, N, count)
+        else:
+            before = getattr(ring, collective)("world", r, N, counts, displacements(counts))
+        assert build(collective, "ring", topo, counts) == before

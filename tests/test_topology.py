@@ -1,7 +1,8 @@
 """torus.topology against brute force: coordinates, nodes (equal and unequal), communicator members, the
-split keys TorusComm uses, and node-grid regularity."""
+split keys TorusComm uses, node-grid regularity and the world ring's node-major order."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from torus.topology import Topology, default_dims, node_indices
@@ -43,6 +44,30 @@ def test_interleaved_nodes_are_not_a_node_grid():
     assert (t.node, t.local_rank, t.local_size, t.nodes) == (0, 1, 2, 2)
     assert t.members("local") == (0, 2) and t.members("cross") == (2, 3)
     assert not t.node_grid
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 6, 8, 12])
+def test_ring_order_is_node_major_and_crosses_each_node_once(size):
+    rng = np.random.default_rng(size)
+    layouts = [tuple(r // 2 for r in range(size)), tuple(r % 2 for r in range(size)), (0,) * size]
+    layouts += [node_indices(rng.integers(0, 3, size).tolist()) for _ in range(20)]
+    for node_of in layouts:
+        orders = {Topology(r, size, (1, size), node_of).ring_order for r in range(size)}
+        assert len(orders) == 1  # every rank runs the same ring
+        order = orders.pop()
+        assert sorted(order) == list(range(size))
+        # brute force: node 0's ranks in rank order, then node 1's, ...
+        assert list(order) == [r for n in range(max(node_of) + 1) for r in range(size) if node_of[r] == n]
+        hops = sum(node_of[order[i]] != node_of[order[(i + 1) % size]] for i in range(size))
+        nodes = max(node_of) + 1
+        assert hops == (nodes if nodes > 1 else 0)
+        for r in range(size):
+            assert order[Topology(r, size, (1, size), node_of).ring_position] == r
+
+
+@pytest.mark.parametrize("size, rpn", [(4, 2), (6, 4), (6, 3), (5, 2), (8, 1)])
+def test_ring_order_on_nodes_of_consecutive_ranks_is_the_rank_order(size, rpn):
+    assert Topology.emulated(0, size, (1, size), rpn).ring_order == tuple(range(size))
 
 
 def test_bad_dims_raise():

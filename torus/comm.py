@@ -74,12 +74,11 @@ class TorusComm:
         ranks) over a shared-memory transport on the node's communicator, the other level over the step loop
         as before (torus/schedules/phases.py). None (default; ``TORUS_SHM_PHASES=1``/``0`` force it): on
         where every machine has a core per rank (ranks counted by host name); with more ranks than cores
-        each shared-memory step waits until every rank has been scheduled, and the phases measured slower
-        than MPI's messages (bench/README.md, "Shared-memory phases across hosts"). Must come out equal on every rank
-        (the argument check compares it). Emulated nodes (``ranks_per_node``) use it
-        only where each one's ranks share memory. Results are exact and bitwise identical on every rank
-        either way, though not always bitwise equal between the two (the node level reduces in another
-        order). Device buffers of such calls are staged through pinned host memory.
+        they measured slower than MPI's messages (bench/README.md, "Shared-memory phases across hosts").
+        Emulated nodes (``ranks_per_node``) use them only where each one's ranks share memory. Must come
+        out equal on every rank (the argument check compares it). Results are exact and bitwise identical
+        on every rank either way, though not always bitwise equal between the two (the node level reduces
+        in another order). Device buffers of such calls are staged through pinned host memory.
     threads : "auto", int or None
         OpenMP threads of the host kernels, a process-wide setting (``torus.kernels.set_num_threads``).
         "auto" (default): the CPUs divided by the ranks on this node, unless ``TORUS_NUM_THREADS`` is set; an
@@ -258,6 +257,11 @@ class TorusComm:
         Raises ValueError when the ranks span several nodes or ``count`` is negative, TypeError for a dtype
         torus does not reduce."""
         return self._shm.alloc("alloc", count, dtype, self.topology.nodes)
+
+    def free_alloc(self, array: np.ndarray) -> None:
+        """Release an array from :meth:`alloc` (collective, as ``alloc``: every rank its own array, in the same
+        order); using it afterwards is undefined. Raises ValueError for any other array (a view included)."""
+        self._shm.release("free_alloc", array)
 
     def free_buffers(self) -> None:
         """Release the working buffers kept between calls (see the class docstring); the next call allocates

@@ -8,9 +8,9 @@ the collectives get from the link through MPI (TCP and the MPI library's protoco
 nominal rate, and one flow of it. Collective over the TorusComm; about ``3 * PROBE_BYTES`` at the link's
 speed (50 ms at 1 Gbit/s, 0.5 ms at 100 Gbit/s), once per TorusComm. Waits poll under the TorusComm's
 stall timeout (torus.errors.TimeoutError). A link that passes bursts above its rate reads fast: on the
-emulated cluster (tbf with a bucket of 10 ms of data, more than the probe) 2 Gbit/s links read 2.4 Gbit/s,
-and 4.2 when both ranks of a host had just sent; auto only uses the figure for its native threshold
-(select.NATIVE_LINK_SECONDS), which such an error moves by that factor.
+emulated cluster with tbf's bucket at 10 ms of data (more than the probe; it is 1 ms now) 2 Gbit/s links
+read 2.4 Gbit/s, and 4.2 when both ranks of a host had just sent; auto only uses the figure for its native
+threshold (select.NATIVE_LINK_SECONDS), which such an error moves by that factor.
 """
 from __future__ import annotations
 

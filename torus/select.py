@@ -35,13 +35,13 @@ TABLE = (
 
 
 # Where every rank is on one node, these rows come first (same columns): the shared-memory transport
-# (torus/runtime/shm.py) against the rows below, measured with bench/native_peers.py on 2 cores under load
-# (bench/README.md, "Shared memory"): at 2 ranks shm led at every size from 64 KiB to 256 MiB; at 4 ranks
-# (two per core) it tied the schedules at 1 MiB and fell behind above (each step waits until every rank has
-# been scheduled). More than 4 ranks, and 4 ranks with a core each, were not measured. Never across nodes.
+# (torus/runtime/shm.py) against the rows below and the best native all-reduces, measured with
+# bench/native_peers.py on 2 cores (bench/results/native_peers.txt, tabulated in README.md): at 2 ranks and
+# at 4 (two per core) shm led at every size from 64 KiB to 256 MiB. At 4 ranks it used to fall far behind
+# under load above 1 MiB, when its waits yielded the core; they sleep on a futex now (src/shm_flags.h).
+# More than 4 ranks, and 4 ranks with a core each, were not measured. Never across nodes.
 ONE_NODE_TABLE = (
-    (2, None, None, "shm"),
-    (4, 1 << 20, None, "shm"),
+    (4, None, None, "shm"),
 )
 
 
@@ -103,7 +103,12 @@ def across_nodes(nbytes: int, dims, nodes: Nodes) -> str:
     ``2(C-1)/C`` of it, against the ring's ``2(N-1)/N``); with one rank per node, where every message crosses
     and the ring and the torus send the same bytes, the ring up to ``RING_MAX_NODES`` nodes (or when the
     grid is a line) and the torus above, for its fewer steps. Where the table above was measured on one node,
-    this rule's constants come from the emulated cluster (tests/cluster, bench/cluster_sweep.py)."""
+    this rule's constants come from the emulated cluster (tests/cluster, bench/cluster_sweep.py): on its
+    quiet run (bench/results/cluster_sweep.txt, cluster_small_sizes.txt) the pick was within 10% of the
+    fastest algorithm's time at every size from 64 KiB to 64 MiB at 2 x 1, 2 x 2 and 4 x 1 hosts x ranks, 1 and
+    4 Gbit/s, but for one size, which ran on the emulated links' burst bucket rather than at their rate
+    (bench/README.md, "Across hosts"). The ring here visits the ranks node by node (Topology.ring_order), so
+    what it sends through a node's link does not depend on how the ranks were placed."""
     link_bytes_per_s = nodes.link_gbits * 1e9 / 8
     if nbytes <= NATIVE_LINK_SECONDS * link_bytes_per_s:
         return "native"

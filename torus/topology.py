@@ -8,6 +8,9 @@ among the node's ranks). Nodes may differ in size.
 
 Sub-communicators of a rank (ranks ordered by their world rank in each): ``"row"`` (same ``y``), ``"col"``
 (same ``x``), ``"local"`` (same node), ``"cross"`` (same local rank: one rank per node), ``"world"``.
+
+Ring order: the world-wide ring visits the ranks node by node (``ring_order``), so that it crosses each
+node's link once each way whatever the placement; on nodes of consecutive ranks that is the rank order.
 """
 from __future__ import annotations
 
@@ -162,6 +165,20 @@ class Topology:
         inside the nodes and only ``1/Y`` of the buffer crosses them, as in the rows-first order when the
         rows are the nodes."""
         return self.node_axis == "col"
+
+    @cached_property
+    def ring_order(self) -> tuple:
+        """The world ranks in the order of the world-wide ring: node-major (nodes by index, each node's ranks
+        in rank order). Nodes of consecutive ranks (placed in blocks, or emulated): ``0 .. size-1``. Dealt out
+        round robin (hydra's ``-hosts h1,h2`` with more ranks than hosts), the rank order would cross a node
+        link at every hop; this order crosses ``nodes`` hops of ``size``, one into and one out of each node.
+        The same on every rank (``node_of`` is)."""
+        return tuple(sorted(range(self.size), key=lambda r: (self.node_of[r], r)))
+
+    @cached_property
+    def ring_position(self) -> int:
+        """This rank's index in ``ring_order``."""
+        return self.ring_order.index(self.rank)
 
     @cached_property
     def node_grid(self) -> bool:

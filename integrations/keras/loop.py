@@ -2,7 +2,10 @@
 
 ``allreduce_tensors`` all-reduces a list of tensors inside or outside a ``tf.function``: they are fused into one
 flat buffer per dtype and handed to ``TorusComm.allreduce`` through a single ``tf.numpy_function``, so every rank
-issues the same messages in the same order (separate calls per tensor can deadlock). ``broadcast_variables``
+issues the same messages in the same order (separate calls per tensor can deadlock). Where the shared-memory
+transport runs the call the buffer is a persistent ``TorusComm.alloc`` array, fused into on the host and
+reduced in place (window.py); elsewhere (other algorithms, several nodes, GPU tensors, shapes unknown when
+traced) TensorFlow fuses and splits and the all-reduce runs out of place. ``broadcast_variables``
 copies rank 0's values into every rank's variables (eager, one ``MPI_Ibcast`` per dtype, bounded by the
 stall timeout).
 
@@ -30,7 +33,8 @@ import tensorflow as tf
 
 from torus import IN_PLACE, faults, kernels
 from torus.errors import MismatchError
-from torus.ops import BFLOAT16
+from torus.integrations.keras.window import WindowBuffers
+from torus.ops import BFLOAT16, DTYPES
 
 COMPRESSION = {"none": None, "fp16": np.dtype(np.float16), "bf16": BFLOAT16}
 
@@ -47,18 +51,53 @@ class HostAllreduce:
 
     float32 buffers travel as ``compression`` (float16/bfloat16, cast with ``torus.kernels.narrow`` and back
     with ``widen``; the reduction accumulates in float32 and rounds once per step of the schedule).
-    ``seconds`` accumulates the wall time spent here (for benchmarks).
+    ``window`` (default True): where the shared-memory transport runs the all-reduce, fuse into persistent
+    ``TorusComm.alloc`` buffers instead (``in_window``, window.py; False keeps the out-of-place path
+    everywhere, e.g. to compare). ``seconds`` accumulates the wall time spent here (for benchmarks).
     """
 
-    def __init__(self, torus_comm, algorithm: str = "auto", compression: str = "none"):
-        self.torus_comm, self.algorithm = torus_comm, algorithm
+    def __init__(self, torus_comm, algorithm: str = "auto", compression: str = "none", window: bool = True):
+        self.torus_comm, self.algorithm, self.window = torus_comm, algorithm, window
         self.wire = check_compression(compression)
         self._scratch: dict = {}
+        self.windows = WindowBuffers(torus_comm)
         self.seconds, self.calls = 0.0, 0
 
-    def __call__(self, op: str, *bufs):
+    def _wire_of(self, dtype: np.dtype):
+        return self.wire if self.wire is not None and dtype == np.float32 else None
+
+    def in_window(self, tensors) -> bool:
+        """Whether the group ``tensors`` (one dtype) is all-reduced through a shared ``TorusComm.alloc``
+        buffer: ``window`` on, shapes known, host tensors, a dtype torus reduces, and the transport that
+        ``algorithm`` resolves to for that many bytes in place is shm (every rank on one node). Decided when
+        traced; the same on every rank for the same tensors."""
+        tc = self.torus_comm
+        if not self.window or tc.size == 1 or tc.topology.nodes != 1:
+            return False
+        if not all(t.shape.is_fully_defined() for t in tensors) or any(
+                tf.DeviceSpec.from_string(t.device or "").device_type == "GPU" for t in tensors):
+            return False
+        dtype = np.dtype(tensors[0].dtype.as_numpy_dtype)
+        count = sum(t.shape.num_elements() for t in tensors)
+        if dtype not in DTYPES or count == 0:
+            return False
+        wire = self._wire_of(dtype) or dtype
+        algo = self.algorithm if self.algorithm != "auto" else tc.auto_choice("allreduce", count * wire.itemsize,
+                                                                               True)
+        return algo == "shm"
+
+    def __call__(self, op: str, *bufs, groups=None):
+        """All-reduce ``bufs``: one flat buffer per group, or, for a group of ``groups`` (a tuple of piece
+        counts, 0 for a flat buffer) that is positive, that many pieces fused in a window."""
         t0 = time.perf_counter()
-        out = [self._one(np.asarray(b), op) for b in bufs]
+        out, k = [], 0
+        for n in groups or (0,) * len(bufs):
+            if n:
+                pieces = [np.asarray(b) for b in bufs[k:k + n]]
+                out += self.windows.allreduce(pieces, op, self.algorithm, self._wire_of(pieces[0].dtype))
+            else:
+                out.append(self._one(np.asarray(bufs[k]), op))
+            k += n or 1
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
@@ -91,14 +130,27 @@ def allreduce_tensors(host: HostAllreduce, tensors, op: str = "avg"):
         return []
     dtypes = list(dict.fromkeys(t.dtype for t in dense))
     groups = [[i for i, t in enumerate(dense) if t.dtype == dt] for dt in dtypes]
-    flats = [tf.concat([tf.reshape(dense[i], [-1]) for i in g], 0) for g in groups]
-    reduced = tf.numpy_function(lambda *bufs: host(op, *bufs), flats, dtypes, stateful=True,
-                                name="torus_allreduce")
+    windowed = [host.in_window([dense[i] for i in g]) for g in groups]
+    inputs, pieces = [], []
+    for g, w in zip(groups, windowed):
+        inputs += [dense[i] for i in g] if w else [tf.concat([tf.reshape(dense[i], [-1]) for i in g], 0)]
+        pieces.append(len(g) if w else 0)
+    layout = tuple(pieces)
+    reduced = tf.numpy_function(lambda *bufs: host(op, *bufs, groups=layout), inputs, [t.dtype for t in inputs],
+                                stateful=True, name="torus_allreduce")
     if not isinstance(reduced, (list, tuple)):  # eagerly, a one-element Tout comes back as a bare tensor
         reduced = [reduced]
-    result = [None] * len(dense)
-    for g, fused, flat in zip(groups, reduced, flats):
-        fused.set_shape(flat.shape)
+    result, k = [None] * len(dense), 0
+    for g, w in zip(groups, windowed):
+        if w:  # one output per tensor, its shape
+            for i in g:
+                result[i] = reduced[k]
+                result[i].set_shape(dense[i].shape)
+                k += 1
+            continue
+        fused = reduced[k]
+        fused.set_shape(inputs[k].shape)
+        k += 1
         for i, part in zip(g, tf.split(fused, tf.stack([tf.size(dense[i]) for i in g]), num=len(g))):
             result[i] = tf.reshape(part, tf.shape(dense[i]))
             result[i].set_shape(dense[i].shape)

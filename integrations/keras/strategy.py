@@ -92,7 +92,8 @@ class TorusStrategy(tf.distribute.Strategy):
                   callbacks=[...], verbose=1 if strategy.is_chief else 0)
 
     Each rank feeds its own shard with its per-rank batch (global batch = N x per-rank batch). Gradients are
-    fused into one buffer per dtype and all-reduced with ``TorusComm.allreduce`` (``algorithm``), optionally
+    fused into one buffer per dtype and all-reduced with ``TorusComm.allreduce`` (``algorithm``; where that is
+    the shared-memory transport, into a persistent shared buffer reduced in place, ``window.py``), optionally
     sent as float16/bfloat16 (``compression``); sparse gradients are densified (see ``allreduce_tensors``).
 
     Inside ``fit`` / ``evaluate`` / ``predict`` (wrapped once per process, see ``fit_hook``), whatever callbacks

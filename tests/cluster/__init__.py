@@ -4,7 +4,9 @@ Each host ``i`` (1..K) is a namespace ``<name><i>`` whose ``eth0`` (one end of a
 the bridge ``<name>br``) has the address ``10.231.<subnet>.<i>/24``; the bridge holds ``.254`` in the root
 namespace, where ``mpiexec`` runs. The namespaces have no default route: from inside, only the other hosts,
 the bridge address and their own loopback are reachable. ``rate`` (``tc tbf``, e.g. ``"2gbit"``) shapes each
-host's link in both directions (this kernel has no ``netem``: no delay or loss).
+host's link in both directions, with a bucket of ``BURST_SECONDS`` of data (1 ms; ``TORUS_CLUSTER_BURST_S``
+sets another, e.g. 0.01 for the 10 ms of the figures taken before 2026-12-01 16:00) (this kernel has no
+``netem``: no delay or loss).
 
 hydra launches through an ssh stand-in (``nslaunch``, written at :meth:`Cluster.up`) that runs the proxy
 command inside the host's namespace with ``ip netns exec``. MPICH's UCX netmod would find shared memory
@@ -31,6 +33,13 @@ import time
 from pathlib import Path
 
 PREFIX = "10.231"
+# tbf's bucket: what a host may send above the rate after a pause. A real link never runs faster than its
+# rate, so the bucket is kept to about a millisecond of data (at least one 64 KiB GSO packet, which tbf
+# would otherwise split): with 10 ms of data, 256 KiB all-reduces between shuffled benchmark calls ran
+# from a full bucket, above the link's rate, CPU-bound on this machine rather than link-bound
+# (bench/README.md, "Across hosts").
+BURST_SECONDS = float(os.environ.get("TORUS_CLUSTER_BURST_S", "1e-3"))
+BURST_MIN_BYTES = 64 << 10
 BRIDGE_HOST = 254
 STATE_ROOT = Path("/tmp")
 NSLAUNCH = """#!/bin/sh
@@ -140,8 +149,7 @@ class Cluster:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             if self.rate:
-                # tbf's bucket must hold at least one timer tick of data; 10 ms of the rate is plenty
-                burst = str(max(64 << 10, _bits(self.rate) // 8 // 100))
+                burst = str(max(BURST_MIN_BYTES, int(_bits(self.rate) / 8 * BURST_SECONDS)))
                 for dev, where in ((outer, ()), ("eth0", ("-n", ns))):
                     _sh("tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", self.rate,
                         "burst", burst, "latency", "50ms")
@@ -224,16 +232,19 @@ class Cluster:
         _ip("-n", self.namespace(host), "link", "set", "eth0", "up")
 
     # ------------------------------------------------------------------ launching
-    def mpiexec(self, ppn: int = 1, mpiexec: str | None = None) -> list[str]:
+    def mpiexec(self, ppn: int = 1, mpiexec: str | None = None, round_robin: bool = False) -> list[str]:
         """The ``mpiexec`` command line (up to the program) for ``ppn`` ranks per host, in blocks: ranks
-        ``0..ppn-1`` on host 1, and so on. Append ``-n N`` (at most ``hosts * ppn``) and the program."""
+        ``0..ppn-1`` on host 1, and so on; ``round_robin``: dealt out one per host in turn (hydra's ``-hosts
+        h1,h2,...`` without slots: rank ``r`` on host ``r % hosts + 1``). Append ``-n N`` (at most
+        ``hosts * ppn``) and the program."""
         exe = mpiexec or shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-        hosts = ",".join(f"{a}:{ppn}" for a in self.addresses)
+        hosts = ",".join(a if round_robin else f"{a}:{ppn}" for a in self.addresses)
         # TORUS_CLUSTER_*: what torus-bench records of the emulation (torus/bench/report.py); torus reads no
         # other meaning into them
         return [exe, "-launcher", "ssh", "-launcher-exec", str(self.nslaunch), "-iface", self.bridge,
                 "-hosts", hosts, "-genv", "UCX_TLS", "tcp,self", "-genv", "TORUS_CLUSTER_HOSTS", str(self.hosts),
-                "-genv", "TORUS_CLUSTER_PPN", str(ppn), "-genv", "TORUS_CLUSTER_RATE", self.rate or "unshaped"]
+                "-genv", "TORUS_CLUSTER_PPN", str(ppn), "-genv", "TORUS_CLUSTER_RATE", self.rate or "unshaped",
+                "-genv", "TORUS_CLUSTER_PLACEMENT", "round_robin" if round_robin else "blocks"]
 
 
 def from_state(name: str = "torusc") -> Cluster:

@@ -3,7 +3,8 @@ hosts, node detection, faults across hosts and torus-train with --resume across 
 (``python -m tests.cluster test``; ``--quick``: the cluster, node detection and faults only).
 
 Layouts: 2 hosts x 2 ranks (links shaped to 2 Gbit/s with tc tbf; rows of torus2d-2x2 inside hosts, columns
-across them, 1xN and Nx1 grids across them; hierarchical-nodes on the real nodes), then 3 hosts x 1 rank
+across them, 1xN and Nx1 grids across them; hierarchical-nodes on the real nodes; then the same hosts with
+the ranks dealt out round robin, tests/cluster/cluster_round_robin.py), then 3 hosts x 1 rank
 (unshaped; every step crosses a host link). Every job runs with TORUS_RANKS_PER_NODE unset, so nodes come from
 COMM_TYPE_SHARED, that is from the hosts. The faults and training run on the 2-host cluster, from this process.
 
@@ -30,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 NAME, SUBNET = "torust", 14
 MPI_SUITES = ["tests/cluster/cluster_nodes.py", "tests/mpi/test_allreduce.py", "tests/mpi/test_reduce_scatter.py",
               "tests/mpi/test_allgather.py", "tests/mpi/test_properties.py"]
+ROUND_ROBIN_SUITE = "tests/cluster/cluster_round_robin.py"
 LAYOUTS = [(2, 2, "2gbit"), (3, 1, None)]
 LIMIT_S = 900
 
@@ -109,6 +111,13 @@ def _main(quick: bool, tmp: Path) -> int:
                                           "-n", "1", *base, f"--junitxml={xml}",
                                           ":", "-n", str(hosts * ppn - 1), *base, "-p", "no:terminal"]
             tally.run(f"{layout} collectives", cmd, xml, env)
+            if ppn > 1:  # the same hosts with the ranks dealt out round robin (hydra -hosts h1,h2)
+                rr = [py, *common, ROUND_ROBIN_SUITE]
+                xml = tmp / f"{layout}-round-robin.xml"
+                cmd = cluster.mpiexec(ppn, round_robin=True) + [
+                    "-genv", "TORUS_CLUSTER_LAYOUT", layout, "-n", "1", *rr, f"--junitxml={xml}",
+                    ":", "-n", str(hosts * ppn - 1), *rr, "-p", "no:terminal"]
+                tally.run(f"{layout} round robin", cmd, xml, env)
             if hosts == 2:
                 local = ["tests/cluster/cluster_faults.py"] + ([] if quick else ["tests/cluster/cluster_train.py"])
                 for suite in local:

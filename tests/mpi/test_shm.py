@@ -46,6 +46,51 @@ def test_buffers_many_times_the_segment(mode, dtype, rng):
         assert_same_on_all_ranks(out, what)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_outputs_copied_out_with_streaming_stores(monkeypatch, offset, rng):
+    """Out of place from STREAM_MIN_BYTES (lowered here to 4 KiB) the copy out uses non-temporal stores: an
+    output that starts ``offset`` elements past a 16-byte boundary, with a count that leaves a ragged tail,
+    holds numpy's result; all-gather as well (its copy out is the same code)."""
+    monkeypatch.setattr(torus.runtime.shm, "STREAM_MIN_BYTES", 4096)
+    tc, algo = torus_comm("shm", segment_bytes=8192)
+    n = 50_003
+    x = make(rng, np.float32, "sum", n)
+    backing = sentinel(n + 4, x.dtype)
+    out = backing[offset:offset + n]
+    tc.allreduce(x, out, algorithm=algo)
+    what = f"allreduce(shm, sum, float32, {n}, out of place at +{offset})"
+    assert_matches(out, *expected(x, "sum"), what)
+    assert_same_on_all_ranks(out, what)
+    counts = [n // SIZE + r for r in range(SIZE)]
+    block = make(rng, np.float32, "max", counts[RANK])
+    gathered = sentinel(sum(counts) + 4, block.dtype)[offset:offset + sum(counts)]
+    tc.allgather(block, gathered, recvcounts=counts, algorithm=algo)
+    assert gathered.tobytes() == _reference_allgather(block, counts).tobytes()
+
+
+def test_calls_either_side_of_the_one_step_size(rng):
+    """All-reduces up to WHOLE_MAX_BYTES run in one step, each rank reducing everything from the slots
+    (ranks in a fixed order, so every rank's result is the same); larger ones take the pipelined steps.
+    Alternating them back to back, in and out of place, with avg and max: every result is numpy's and the
+    same on every rank."""
+    tc, algo = torus_comm("shm")
+    edge = torus.runtime.shm.WHOLE_MAX_BYTES // 4
+    calls = []
+    for i, n in enumerate([edge, edge + 1, 1, edge - 1, 3 * edge + 7, edge, 2, edge + 1]):
+        op = ("avg", "max")[i % 2]
+        x = make(rng, np.float32, op, n)
+        if i % 3 == 0:
+            out = x.copy()
+            tc.allreduce(torus.IN_PLACE, out, op=op, algorithm=algo)
+        else:
+            out = tc.allreduce(x, sentinel(n, x.dtype), op=op, algorithm=algo)
+        calls.append((x, op, out))
+    for i, (x, op, out) in enumerate(calls):
+        what = f"call {i}: allreduce(shm, {op}) of {x.size} float32"
+        assert_matches(out, *expected(x, op), what)
+        assert_same_on_all_ranks(out, what)
+
+
 def test_back_to_back_calls_of_changing_sizes(rng):
     """40 calls, sizes and collectives changing every call (0 and 1 element among them), no synchronisation
     between them: every call's result is checked only after all have run, so a stale segment or flag from
@@ -181,6 +226,23 @@ def test_an_alloc_buffer_is_reduced_where_it_lies(alloc_comm, dtype, count, rng)
         assert_matches(a, *expected(x, op), what)
         assert a.tobytes() == plain.tobytes(), what
         assert_same_on_all_ranks(a, what)
+
+
+def test_free_alloc_then_alloc_again(alloc_comm, rng):
+    """free_alloc releases one buffer (collective); buffers made after it reduce right, and a view or an
+    ordinary array is refused before anything is freed."""
+    tc = alloc_comm
+    keep, gone = tc.alloc(50, np.int64), tc.alloc(50, np.int64)
+    with pytest.raises(ValueError, match=f"free_alloc on rank {RANK}: not an array from TorusComm.alloc"):
+        tc.free_alloc(gone[1:])
+    with pytest.raises(ValueError, match=f"free_alloc on rank {RANK}: not an array from TorusComm.alloc"):
+        tc.free_alloc(np.zeros(50, np.int64))
+    tc.free_alloc(gone)
+    for a in (tc.alloc(50, np.int64), keep, tc.alloc(9, np.int64)):
+        x = make(rng, np.int64, "sum", a.size)
+        a[:] = x
+        tc.allreduce(torus.IN_PLACE, a, algorithm="shm")
+        assert_matches(a, *expected(x, "sum"), f"allreduce(shm, alloc after free_alloc, {a.size})")
 
 
 @pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")

@@ -3,6 +3,7 @@ and validate's predictions are the simulator's. No timing is asserted (the machi
 import numpy as np
 import pytest
 
+from oracle import one_node
 from torus import TorusComm
 from torus.sim import fit
 from torus.sim.model import Cost, Layout
@@ -42,4 +43,23 @@ def test_validate_predictions_are_the_simulators(world):
         assert np.allclose(world.allgather(r["measured"]), r["measured"])
     if tc.size > 1:
         assert fit.executor_alpha(tc, iters=2) > 0
+    tc.Free()
+
+
+def test_shm_constants_and_validate_row(world):
+    """On one node: copy_beta, flag_alpha and call_alpha come back non-negative and equal on every rank, and
+    validate's shm row is the simulator's shm replay at the transport's own slot."""
+    if world.Get_size() < 2 or not one_node():
+        pytest.skip("shm needs two ranks on one node")
+    copy_beta, cpts = fit.copy_rate(world, sizes=(1 << 12, 1 << 18), reps=2)
+    flag, call, fpts = fit.shm_flags(world, copy_beta, 1e-10, steps=(1, 9), iters=3)
+    assert min(copy_beta, flag, call) >= 0 and [k for k, _ in fpts] == [1, 9]
+    assert world.allgather((copy_beta, flag, call)) == [(copy_beta, flag, call)] * world.Get_size()
+    tc = TorusComm(check=False)
+    cost = Cost(2e-6, 1e-10, 3e-10, segment_bytes=tc.segment_bytes, copy_beta=copy_beta, flag_alpha=flag,
+                call_alpha=call)
+    (row,) = fit.validate(tc, {"a": cost}, sizes=(1 << 16,), algorithms=("shm",), iters=2)
+    slot = Cost(**{**cost.__dict__, "segment_bytes": tc._shm.slot_bytes})
+    X, Y = tc.dims
+    assert row["predicted_a"] == simulate("shm", "allreduce", Layout(X, Y, tc.size), 1 << 14, "float32", slot).time
     tc.Free()

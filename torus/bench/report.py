@@ -46,14 +46,16 @@ def environment(tc, argv) -> dict:
 
 def cluster() -> dict | None:
     """The emulated cluster the job runs on, from the variables tests/cluster's ``mpiexec`` line sets
-    (``TORUS_CLUSTER_HOSTS``, ``_PPN``, ``_RATE``): ``{"hosts", "ranks_per_host", "link_rate"}`` (the
-    ``tc`` rate of each host's link, or "unshaped"); None outside one. On a real cluster set them yourself
+    (``TORUS_CLUSTER_HOSTS``, ``_PPN``, ``_RATE``, ``_PLACEMENT``): ``{"hosts", "ranks_per_host",
+    "link_rate", "placement"}`` (the ``tc`` rate of each host's link, or "unshaped"; "blocks" or
+    "round_robin"); None outside one. On a real cluster set them yourself
     to label the figures."""
     if "TORUS_CLUSTER_HOSTS" not in os.environ:
         return None
     return {"hosts": int(os.environ["TORUS_CLUSTER_HOSTS"]),
             "ranks_per_host": int(os.environ.get("TORUS_CLUSTER_PPN", "0")) or None,
-            "link_rate": os.environ.get("TORUS_CLUSTER_RATE", "unshaped")}
+            "link_rate": os.environ.get("TORUS_CLUSTER_RATE", "unshaped"),
+            "placement": os.environ.get("TORUS_CLUSTER_PLACEMENT", "blocks")}
 
 
 # ---------------------------------------------------------------------------------------------- table
@@ -86,7 +88,8 @@ def header(env: dict, args: dict) -> list[str]:
         f"{args['warmup']} warm-up, segments {format_size(env['segment_bytes'])}B, argument check {check}",
         f"# {_library(env)}; mpi4py {env['mpi4py']}; torus {env['torus']}; host {env['hosts'][0]}"
         + ("" if not env.get("cluster") else f"; emulated cluster: {env['cluster']['hosts']} hosts x "
-           f"{env['cluster']['ranks_per_host']} ranks, links {env['cluster']['link_rate']}"),
+           f"{env['cluster']['ranks_per_host']} ranks ({env['cluster'].get('placement', 'blocks')}), links "
+           f"{env['cluster']['link_rate']}"),
         "# size: bytes really moved (rounded down to whole elements"
         + (", and for reduce-scatter/all-gather to a multiple of dtype size x ranks)" if
            args["collective"] != "allreduce" else ")")

@@ -15,7 +15,9 @@ every chunk. Steps are numbered across calls by one counter ``seq``, which every
 number of steps per call; step ``s`` uses buffer ``s % 2``:
 
 1. copy in what the peers need: segment ``i`` of every other rank's chunk into its sub-slot (all-gather: of
-   our own chunk), the signature into the header, then ``copied = s`` (store-release);
+   our own chunk), the signature into the header (for step ``s + 1`` this happens during step ``s``, right
+   after our reduction, while the peers finish theirs), then ``copied = s`` (store-release) once step
+   ``s - 1`` is done;
 2. wait for every peer's ``copied >= s`` (load-acquire) and compare its signature with ours (collective,
    dtype, op, counts, segment size: a mismatch is a MismatchError even with the argument check off);
 3. reduce our chunk's segment, ranks in the order ``rank, rank+1, ...``, our own part read straight from the
@@ -25,8 +27,9 @@ number of steps per call; step ``s`` uses buffer ``s % 2``:
 4. copy out (all-reduce: once that peer's ``reduced >= s``; all-gather: its copy-in is enough) every
    rank's segment into the output.
 
-A wait polls its flag ``SPIN_POLLS`` times before it starts yielding the core after every look, when every
-rank has a core of its own (with more ranks than cores the rank waited for may need this very core).
+A wait polls its flag ``SPIN_POLLS`` times, when every rank has a core of its own, then sleeps on it (a
+futex the flag's writer wakes, src/shm_flags.h); with more ranks than cores it sleeps at once (the rank
+waited for may need this very core, and a rank that yields instead stays runnable and takes its share).
 
 The argument check: once the window is open TorusComm skips its all-gather for shm calls, since step 1 of
 every step carries the signature. What that catches: another collective, dtype, op, count or recvcounts, or
@@ -36,9 +39,9 @@ with the check on, complete the all-gather it posted; that step is spent on ever
 equal). What it misses against the all-gather: a rank that runs another algorithm (ring, native) while the
 others run shm is a TimeoutError after ``timeout`` s, not a MismatchError; the grid (irrelevant to shm).
 
-Why no barrier between calls: before a rank writes buffer ``s % 2`` at step ``s`` it has waited, in step
-``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its last read of that
-buffer in step ``s - 2``; a peer is at most one step ahead (it cannot finish step ``s`` without our
+Why no barrier between calls: before a rank writes buffer ``s % 2`` for step ``s`` (during step ``s - 1``)
+it has waited, in step ``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its
+last read of that buffer, in step ``s - 2``; a peer is at most one step ahead (it cannot finish step ``s`` without our
 ``copied = s``, and for an all-reduce our ``reduced = s``), so it writes only the other buffer meanwhile.
 Sequence numbers only grow, so no flag from an earlier call (of another size) can satisfy a later wait.
 Each element is reduced once, by the rank owning its chunk, and copied to the others: every rank's result
@@ -49,6 +52,10 @@ Cost per byte of an all-reduce on ``p`` ranks: one copy in of ``(p-1)/p`` of the
 ``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk from the sub-slot it was
 just reduced into, still in cache). Two flag round trips per step.
 
+Small all-reduces (up to ``WHOLE_MAX_BYTES``, within one slot) take one step instead (``run_whole``): every
+rank copies its whole input into its slot, waits for every peer's, and reduces every element itself from the
+slots, ranks in the order 0, 1, ... on every rank (bitwise identical results); one flag wait, no copy out.
+
 Buffers in the window (``TorusComm.alloc``: one more shared window per buffer, each rank's part its own
 pages): an in-place all-reduce of such a buffer (``run_window`` in src/_shm.pyx) publishes ``copied``, reduces
 its chunk in place straight from the peers' buffers, publishes ``reduced``, copies every peer's chunk from
@@ -57,8 +64,8 @@ again (the next step's gradients) while a peer still reads it. No copy in, no se
 call; the signature names the buffer (which ``alloc``), so ranks passing different buffers mismatch.
 
 Across nodes the node-level phases of hierarchical and torus2d run over transports of this kind on the node's
-sub-communicators (torus/schedules/phases.py). Not done yet (issue 14): overlapping the next segment's copy-in
-with this one's copy-out; out-of-place calls from an ``alloc`` buffer (they take the ordinary path).
+sub-communicators (torus/schedules/phases.py). Not done yet (issue 14): out-of-place calls from an ``alloc``
+buffer (they take the ordinary path).
 """
 from __future__ import annotations
 
@@ -85,10 +92,16 @@ _WINDOW_ALLREDUCE = 16
 # waits for every rank to be scheduled, so fewer, larger steps (bench/README.md, "Shared memory").
 SEGMENT_BYTES = 256 << 10
 OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
-# Polls of a flag before a wait starts yielding its core, when every rank of the node has a core of its own
-# (up to about 1 ms on current x86: on a busy machine a yield can cost a whole time slice; 2,000 polls left
-# 64 KiB at 25 us against 18 us); with more ranks than cores a wait yields at once.
+# Polls of a flag before a wait sleeps, when every rank of the node has a core of its own (up to about 1 ms
+# on current x86: 2,000 polls left 64 KiB at 25 us against 18 us); with more ranks than cores a wait sleeps
+# at once.
 SPIN_POLLS = 20000
+# All-reduces up to this size (and the slot) run in one step, every rank reducing the whole buffer from
+# the slots (src/_shm.pyx run_whole): one flag wait and no copy out, for ``size`` times the reads (at 2 and 4
+# ranks 10-20% faster from 4 B to 16 KiB, slower from 64 KiB; exploratory, loaded machine).
+WHOLE_MAX_BYTES = int(os.environ.get("TORUS_SHM_WHOLE_BYTES", 16 << 10))
+# Outputs from this size (out of place) are copied out with non-temporal stores (src/shm_copy.h).
+STREAM_MIN_BYTES = int(os.environ.get("TORUS_SHM_STREAM_BYTES", 8 << 20))
 
 
 class SharedMemory:
@@ -113,15 +126,20 @@ class SharedMemory:
         self._bases = np.zeros(0, np.int64)
         self._seq = 0
         self._broken = ""
-        self._chunks: dict = {}
+        self._calls: dict = {}  # call shape -> what _prepare decided for it
         self._buffers: dict = {}  # address of an alloc buffer -> (window, every rank's address, nbytes, index)
+        self._allocs = 0  # alloc buffers made so far: the next one's index
+
+    def _barrier(self, what: str, doing: str) -> None:
+        """A barrier bounded by the stall timeout, before a blocking MPI window call (so a rank that never
+        comes is a TimeoutError, not a hang inside MPI)."""
+        faults.wait(self.comm.Ibarrier(), self.timeout, lambda: (
+            f"{what} on rank {self.members[self.rank]}: no progress for {self.timeout:g} s {doing} (some rank "
+            "never made this call); abort the job"))
 
     def _open(self, what: str) -> None:
         rank, size = self.members[self.rank], self.size
-        req = self.comm.Ibarrier()
-        faults.wait(req, self.timeout, lambda: (
-            f"{what} on rank {rank}: no progress for {self.timeout:g} s setting up the shared-memory window "
-            "(some rank never made this call); abort the job"))
+        self._barrier(what, "setting up the shared-memory window")
         shared = MPI.Intracomm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))  # same handle, typed
         if shared.Get_size() != size:
             n = shared.Get_size()
@@ -141,17 +159,20 @@ class SharedMemory:
         self._win = win
         self.comm.Barrier()  # every rank's flags are zero before anyone looks at them
 
-    def _layout(self, what: str, count: int, counts):
-        """(counts, displs) as int64 arrays; all-reduce: the even split of ``count``, cached per count."""
-        if counts is not None:
-            return np.array(counts, np.int64), np.array(displacements(counts), np.int64)
-        hit = self._chunks.get(count)
-        if hit is None:
-            if len(self._chunks) >= 256:
-                self._chunks.clear()
-            c, d = chunks(count, self.size)
-            hit = self._chunks[count] = (np.array(c, np.int64), np.array(d, np.int64))
-        return hit
+    def _prepare(self, collective: str, out: np.ndarray, counts, op: str, window):
+        """What a call shape needs, decided once: (mode, counts, displs, segment in elements, kernel kind,
+        op code, the 32-bit signature the peers compare: mode, dtype, op, chunks and slot size)."""
+        mode = _MODE[collective] if window is None else _WINDOW_ALLREDUCE + window[3]
+        if mode == _shm.ALLREDUCE and self.size > 1 and out.nbytes <= min(WHOLE_MAX_BYTES, self.slot_bytes):
+            mode = _shm.ALLREDUCE_WHOLE
+        if counts is None:
+            counts = chunks(out.size, self.size)[0]
+        c, d = np.array(counts, np.int64), np.array(displacements(counts), np.int64)
+        kind = _reduce.kind(out)
+        seg = self.slot_bytes // out.itemsize // (1 if mode == _shm.ALLGATHER else self.size)
+        sig = zlib.crc32(c.tobytes(), zlib.crc32(self.slot_bytes.to_bytes(8, "little"),
+                                                 (mode << 16) | (kind << 8) | OPS.index(op)))
+        return mode, c, d, seg, kind, OP_CODE[op], sig
 
     @property
     def is_open(self) -> bool:
@@ -195,25 +216,31 @@ class SharedMemory:
                              f"after an earlier failure ({self._broken}); abort the job")
         if self._win is None:
             self._open(what)
-        mode = _MODE[collective]
-        c, d = self._layout(what, out.size, counts)
-        item = out.itemsize
-        kind = _reduce.kind(out)
-        window = self._buffers.get(out.ctypes.data) if mode == _shm.ALLREDUCE and src is out else None
-        if window is not None and window[2] == out.nbytes:  # the caller's buffer lives in shared memory
-            mode = _WINDOW_ALLREDUCE + window[3]
-        sig = zlib.crc32(c.tobytes(), zlib.crc32(self.slot_bytes.to_bytes(8, "little"),
-                                                 (mode << 16) | (kind << 8) | OPS.index(op)))
-        args = (kind, item, OP_CODE[op], scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin,
-                self._seq, sig)
-        if window is not None and mode >= _WINDOW_ALLREDUCE:
-            (status, step, peer), nsteps = _shm.run_window(self._bases, window[1], self.rank, c, d,
-                                                           self.slot_bytes, *args), 2
+        window = (self._buffers.get(out.__array_interface__["data"][0])
+                  if self._buffers and src is out and collective == "allreduce" else None)
+        if window is not None and window[2] != out.nbytes:
+            window = None
+        key = (collective, out.dtype, op, out.size if counts is None else tuple(counts),
+               None if window is None else window[3])
+        call = self._calls.get(key)
+        if call is None:
+            if len(self._calls) >= 256:
+                self._calls.clear()
+            call = self._calls[key] = self._prepare(collective, out, counts, op, window)
+        mode, c, d, seg, kind, opcode, sig = call
+        if window is not None:  # the caller's buffer lives in shared memory
+            (status, step, peer), nsteps = _shm.run_window(
+                self._bases, window[1], self.rank, c, d, self.slot_bytes, kind, out.itemsize, opcode, scale,
+                kernels.get_num_threads(), self.timeout or 0.0, self.spin, self._seq, sig), 2
+        elif mode == _shm.ALLREDUCE_WHOLE:
+            status, step, peer, nsteps = _shm.run_whole(
+                self._bases, self.rank, src, out, self.slot_bytes, kind, opcode, scale, kernels.get_num_threads(),
+                self.timeout or 0.0, self.spin, self._seq, sig)
         else:
-            seg = self.slot_bytes // item if mode == _shm.ALLGATHER else self.slot_bytes // self.size // item
             status, step, peer, nsteps = _shm.run(
                 self._bases, self.rank, src, out, c, d, seg, self.slot_bytes // self.size, self.slot_bytes,
-                mode, *args[:1], *args[2:])
+                mode, kind, opcode, scale, kernels.get_num_threads(), self.timeout or 0.0, self.spin, self._seq,
+                sig, src is not out and out.nbytes >= STREAM_MIN_BYTES)
         if status == _shm.DONE:
             self._seq += nsteps
             return
@@ -252,6 +279,8 @@ class SharedMemory:
         count = int(count)
         if self._win is None:
             self._open(what)
+        else:
+            self._barrier(what, "allocating a shared buffer")
         nbytes = count * dtype.itemsize
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")
@@ -261,8 +290,19 @@ class SharedMemory:
             info.Free()
         data = np.array([win.Shared_query(q)[0].address for q in range(self.size)], np.int64)
         array = np.frombuffer(win.tomemory(), dtype, count)  # type: ignore[call-overload]  # mpi4py buffer
-        self._buffers[array.ctypes.data] = (win, data, nbytes, len(self._buffers))
+        self._buffers[array.ctypes.data] = (win, data, nbytes, self._allocs)
+        self._allocs += 1
         return array
+
+    def release(self, what: str, array: np.ndarray) -> None:
+        """Free ``alloc``'s ``array`` (collective: every rank releases its own, in the same order); the
+        array must not be used after. Raises ValueError for an array ``alloc`` did not return."""
+        found = self._buffers.get(array.ctypes.data)
+        if found is None or found[2] != array.nbytes:
+            raise ValueError(f"{what} on rank {self.rank}: not an array from TorusComm.alloc (or a view of one)")
+        self._barrier(what, "freeing a shared buffer")
+        del self._buffers[array.ctypes.data]
+        found[0].Free()
 
     def free(self) -> None:
         """Release the window and every ``alloc`` buffer (collective over the node's ranks, when set up)."""

@@ -1,8 +1,9 @@
 """One plan builder for TorusComm and the simulator: ``build(collective, algorithm, topology, counts)``.
 
 ``counts``: the element count (all-reduce) or the per-rank block counts (reduce-scatter, all-gather).
-``algorithm`` is one of ring, torus2d, hierarchical (native has no plan); the 2D-torus all-reduce runs its
-node-local axis first (``Topology.columns_first``). Pass the algorithm through ``effective``
+``algorithm`` is one of ring, torus2d, hierarchical (native has no plan); the ring visits the ranks node by
+node (``Topology.ring_order``), the 2D-torus all-reduce runs its node-local axis first
+(``Topology.columns_first``). Pass the algorithm through ``effective``
 first, which is where the hierarchical reduce-scatter and all-gather fall back to the ring on nodes that are
 not equal runs of consecutive ranks (their blocks follow the rank order).
 """
@@ -26,7 +27,7 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
     (x, y), (X, Y) = t.coords, t.dims
     if collective == "allreduce":
         if algorithm == "ring":
-            return ring.allreduce("world", t.rank, t.size, counts)
+            return ring.allreduce("world", t.ring_position, t.size, counts, order=t.ring_order)
         if algorithm == "torus2d":
             if t.columns_first:  # the same schedule on the transposed grid: its rows are our columns
                 return torus2d.allreduce(y, x, Y, X, counts, row="col", col="row")
@@ -34,8 +35,11 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
         return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
     displs = displacements(counts)
     rs = collective == "reduce_scatter"
-    if algorithm == "ring":
-        return (ring.reduce_scatter if rs else ring.allgather)("world", t.rank, t.size, counts, displs)
+    if algorithm == "ring":  # block r belongs to world rank r: index the blocks by ring position
+        order = t.ring_order
+        return (ring.reduce_scatter if rs else ring.allgather)(
+            "world", t.ring_position, t.size, [counts[r] for r in order], [displs[r] for r in order],
+            order=order)
     if algorithm == "torus2d":
         return (torus2d.reduce_scatter if rs else torus2d.allgather)(x, y, X, Y, counts, displs)
     return (hierarchical.reduce_scatter if rs else hierarchical.allgather)(*t.hierarchical_args(), counts, displs)

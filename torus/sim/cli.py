@@ -4,6 +4,7 @@
               --ranks-per-node 4 --inter-alpha 5e-6 --inter-beta 4e-10
     torus-sim --sweep -b 1K -e 1G -f 4 --ranks 64,1088,2176 --json sim.json --plot sim.png
     torus-sim --paper
+    torus-sim --algo shm,ring --ranks 4 --ranks-per-node 4 --nbytes 64M --copy-beta 1e-10 --flag-alpha 5e-7
     mpiexec -n 4 torus-sim --fit --json fit4.json           # measure α, β, γ on this machine, at 4 ranks
     mpiexec -n 4 torus-sim --validate --params fit4.json    # predicted vs measured TorusComm times
 
@@ -21,8 +22,9 @@ import sys
 from torus import cli
 from torus.bench.sweep import format_size, parse_size, size_steps
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
-from torus.sim.plans import ALGORITHMS, COLLECTIVES
-from torus.sim.simulate import simulate
+from torus.sim.plans import ALGORITHMS as SCHEDULES
+from torus.sim.plans import COLLECTIVES
+from torus.sim.simulate import ALGORITHMS, simulate
 
 
 def _list(kind, choices=None):
@@ -79,8 +81,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-e", "--maxbytes", type=_size, default="1G", metavar="SIZE", help="--sweep: largest size")
     ap.add_argument("-f", "--stepfactor", type=int, default=4, metavar="F", help="--sweep: size factor per step")
     ap.add_argument("--dtype", choices=tuple(ITEMSIZE), default="float32", help="element type")
-    ap.add_argument("--algo", type=_list(str, ALGORITHMS), default=",".join(ALGORITHMS), metavar="LIST",
-                    help=f"comma-separated, from {', '.join(ALGORITHMS)}")
+    ap.add_argument("--algo", type=_list(str, ALGORITHMS), default=",".join(SCHEDULES), metavar="LIST",
+                    help=f"comma-separated, from {', '.join(ALGORITHMS)} (default: {', '.join(SCHEDULES)}; "
+                         "shm: the shared-memory transport, every rank on one node: --ranks-per-node = --ranks)")
     ap.add_argument("--collective", type=_list(str, COLLECTIVES), default="allreduce", metavar="LIST",
                     help=f"comma-separated, from {', '.join(COLLECTIVES)}")
     ap.add_argument("--alpha", type=float, default=1e-6, help="seconds per message within a node")
@@ -95,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shared-links", action="store_true",
                     help="ranks of a node crossing to other nodes at the same step share its link (default: "
                          "each message gets the whole link, as the closed forms assume)")
+    ap.add_argument("--copy-beta", type=float, default=None,
+                    help="shm: seconds per byte of a memory copy (default: --beta)")
+    ap.add_argument("--flag-alpha", type=float, default=None,
+                    help="shm: seconds until a flag one rank stores is seen by the others (default: --alpha)")
+    ap.add_argument("--call-alpha", type=float, default=0.0, help="shm: seconds per call around its step loop")
     ap.add_argument("--segment-bytes", type=_size, default=None, metavar="SIZE",
                     help="pipelining unit in bytes (default: none, whole chunks)")
     ap.add_argument("--params", default=None, metavar="FILE",

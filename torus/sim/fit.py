@@ -23,10 +23,17 @@ every message on its own (no link shared by several flows), so where several ran
 once (the 2D torus on a node grid, the ring with nodes dealt round robin) it predicts less than the link
 allows; see bench/README.md for the measured margin.
 
+On one node ``--fit`` also fits the shared-memory transport's constants (sim/shm.py): ``copy_beta`` as the slope
+of ``np.copyto`` time over bytes, slot by slot as the transport copies, every rank at once (``copy_rate``);
+``flag_alpha`` and ``call_alpha`` from shm all-reduces through ``TorusComm`` with the smallest slot (64 B per
+chunk and step, ``SHM_STEPS``), so that the bytes cost next to nothing and the time is the call plus its flag
+waits: the slope over the step count is two flags per step, the intercept the call (``shm_flags``).
+
 ``--validate`` (``mpiexec -n K``, with ``--params`` from a ``--fit`` at the same K): for each algorithm and
 size, the median over iterations of the slowest rank's ``TorusComm.allreduce`` time, next to ``simulate`` with
 the fitted parameters (once with the fitted α, once with ``alpha_executor``) and the executor's segment size,
-on TorusComm's nodes (``layout_of``). Both write rank 0's numbers to ``--json``.
+on TorusComm's nodes (``layout_of``); on one node ``shm`` too, with the transport's slot. Both write rank 0's
+numbers to ``--json``.
 """
 from __future__ import annotations
 
@@ -47,6 +54,9 @@ from torus.sim.simulate import simulate
 PINGPONG_SIZES = tuple(4 ** k for k in range(1, 13))  # 4 B .. 16 MiB
 REDUCE_SIZES = tuple(1 << k for k in range(16, 26, 3))  # 64 KiB .. 32 MiB
 VALIDATE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
+# Steps of the shm all-reduces that fit flag_alpha and call_alpha (the intercept, at 0 steps): from 257, so that
+# even at 2 ranks the buffer (64 B per rank and step) is past any one-step path the transport has for small calls.
+SHM_STEPS = (257, 1025, 4097)
 
 
 def _best_time(fn, reps: int) -> float:
@@ -143,6 +153,40 @@ def reduce_rate(sizes=REDUCE_SIZES, reps: int = 10, comm=None) -> tuple[float, l
     return max(float(slope), 0.0), pts
 
 
+def copy_rate(comm, sizes=REDUCE_SIZES, reps: int = 10, slot: int = 256 << 10) -> tuple[float, list]:
+    """``copy_beta`` (s per byte copied) as the least-squares slope over bytes of copying a buffer of each size
+    ``slot`` bytes at a time into one slot-sized buffer with ``np.copyto``, every rank of ``comm`` at once (each
+    point the slowest rank's median); and the points. Collective. Piece by piece because that is how the
+    transport copies: one side is the caller's buffer, the other a window slot that stays in cache (copying
+    whole out-of-cache buffers measured 5-7x slower here, and over-predicted shm's times 1.6-fold)."""
+    pts = []
+    for n in sizes:
+        src, hot = np.ones(n, np.uint8), np.empty(min(slot, n), np.uint8)
+
+        def once(src=src, hot=hot):
+            for lo in range(0, src.size, hot.size):
+                np.copyto(hot[:min(hot.size, src.size - lo)], src[lo:lo + hot.size])
+        once()
+        pts.append((n, _slowest(comm, once, reps)))
+    slope = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0]
+    return max(float(slope), 0.0), pts
+
+
+def shm_flags(comm, copy_beta: float, gamma: float, steps=SHM_STEPS, iters: int = 40) -> tuple:
+    """``(flag_alpha, call_alpha, points)`` of the shared-memory transport (sim/shm.py): in-place float32
+    all-reduces of ``k`` steps (``steps``) with 64-byte pieces; the least-squares line of time over ``k`` has
+    slope ``2·flag_alpha`` plus the pieces' modelled copies and reduction, and intercept ``call_alpha``.
+    Collective over ``comm`` (every rank on one node)."""
+    P = comm.Get_size()
+    tc = TorusComm(comm, segment_bytes=64 * P, check=False)
+    pts = [(k, measure_allreduce(tc, "shm", k * 64 * P, iters)) for k in steps]
+    tc.Free()
+    slope, intercept = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
+    piece = 64.0
+    flag = (slope - (2 * (P - 1) * copy_beta + (P - 1) * gamma) * piece) / 2
+    return max(float(flag), 0.0), max(float(intercept), 0.0), pts
+
+
 def measure_allreduce(tc, algorithm: str, nbytes: int, iters: int = 20) -> float:
     """Median over ``iters`` calls of the slowest rank's time for one float32 all-reduce of ``nbytes``."""
     buf = np.ones(nbytes // 4, np.float32)
@@ -187,6 +231,8 @@ def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d
             row = {"ranks": tc.size, "dims": f"{X}x{Y}", "algorithm": algo, "nbytes": n,
                    "measured": measure_allreduce(tc, algo, n, iters)}
             for name, cost in costs.items():
+                if algo == "shm":  # priced at the transport's own slot, not the executor's segment
+                    cost = dataclasses.replace(cost, segment_bytes=tc._shm.slot_bytes)
                 row[f"predicted_{name}"] = simulate(algo, "allreduce", layout, n // 4, "float32", cost).time
             rows.append(row)
     return rows
@@ -215,11 +261,17 @@ def main(args, cost: Cost) -> int:
         alpha_exec = executor_alpha(tc)
         nodes, per_node = tc.nodes, tc.local_size
         tc.Free()
+        shm_fit: dict = {}
+        if nodes == 1:
+            copy_beta, copy_pts = copy_rate(comm)
+            flag, call, flag_pts = shm_flags(comm, copy_beta, gamma)
+            shm_fit = {"copy_beta": copy_beta, "flag_alpha": flag, "call_alpha": call, "copy": copy_pts,
+                       "shm_steps": flag_pts}
         if rank == 0:
             alpha, beta = fit_alpha_beta(points)
             fitted: dict = {"alpha": alpha, "beta": beta, "gamma": gamma, "alpha_executor": alpha_exec,
                             "ranks": size, "nodes": nodes, "ranks_per_node": per_node, "load": load,
-                            "exchange": points, "reduce": reduce_pts}
+                            "exchange": points, "reduce": reduce_pts, **shm_fit}
             levels = [("within a node" if inter else "", points, alpha, beta)]
             if inter:
                 ia, ib = fit_link(inter)
@@ -237,6 +289,12 @@ def main(args, cost: Cost) -> int:
             if inter:
                 print(f"inter_alpha = {ia:.3e} s   inter_beta = {ib:.3e} s/B "
                       f"({1e-9 / ib if ib else float('inf'):.3f} GB/s)")
+            if shm_fit:
+                cb = shm_fit["copy_beta"]
+                print(f"shm: copy_beta = {cb:.3e} s/B ({1e-9 / cb if cb else float('inf'):.2f} GB/s, np.copyto "
+                      f"by 256 KiB slots, every rank at once)   flag_alpha = {shm_fit['flag_alpha']:.3e} s   "
+                      f"call_alpha = {shm_fit['call_alpha']:.3e} s (shm all-reduces of "
+                      f"{', '.join(map(str, SHM_STEPS))} 64-byte steps)")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(fitted, f, indent=1)
@@ -253,7 +311,8 @@ def main(args, cost: Cost) -> int:
             costs["executor"] = Cost(**{**costs["fit"].__dict__, "alpha": params["alpha_executor"]})
     if layout_of(tc).nodes > 1:  # across nodes: also with a node's link shared by its ranks (model.Cost)
         costs["shared"] = dataclasses.replace(costs["fit"], shared_links=True)
-    rows = validate(tc, costs)
+    one_node = tc.nodes == 1
+    rows = validate(tc, costs, algorithms=("ring", "torus2d", "hierarchical") + (("shm",) if one_node else ()))
     if rank == 0:
         print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {layout_of(tc).nodes} node(s) in the model, {load}; "
               f"predicted with {costs}")

@@ -35,7 +35,10 @@ class Cost:
     between nodes (default: the same as intra-node); segment_bytes: pipelining unit, None for none;
     shared_links: ranks of one node sending (or receiving) across nodes at the same step share the node's
     link, each at its share of ``1 / inter_beta`` (replay.py); off, every message gets the whole link (the
-    closed forms' assumption)."""
+    closed forms' assumption). The shared-memory transport (sim/shm.py) is priced by ``copy_beta`` (seconds
+    per byte of a memory copy; default ``beta``), ``flag_alpha`` (seconds until a flag one rank stores is seen
+    by the others; default ``alpha``) and ``call_alpha`` (seconds per call around its step loop; default 0),
+    with ``gamma``; ``segment_bytes`` is then its slot (None: the transport's default)."""
     alpha: float = 1e-6
     beta: float = 1e-10
     gamma: float = 0.0
@@ -43,6 +46,9 @@ class Cost:
     inter_beta: float | None = None
     segment_bytes: int | None = None
     shared_links: bool = False
+    copy_beta: float | None = None
+    flag_alpha: float | None = None
+    call_alpha: float = 0.0
 
     def link(self, crossing):
         """(α, β) for a message, or arrays of them for a boolean array ``crossing``."""

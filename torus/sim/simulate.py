@@ -7,9 +7,10 @@ import numpy as np
 
 from torus.schedules.plan import Step
 from torus.sim import plans as P
-from torus.sim import replay
+from torus.sim import replay, shm
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
 
+ALGORITHMS = (*P.ALGORITHMS, "shm")  # the schedules, and the shared-memory transport (one node)
 FULL_MAX_RANKS = 64  # method="auto" replays every rank's real plan up to this many ranks
 SAMPLES = 6  # ranks whose real plans are checked against the orbit at larger sizes
 
@@ -65,12 +66,15 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
 
     ``count``: elements of the all-reduce buffer, or of the whole reduce-scatter input / all-gather output.
     ``method``: "full" replays every rank's real plan; "orbit" derives all ranks from representatives
-    (checked against real plans of sampled ranks); "auto" picks full up to FULL_MAX_RANKS ranks.
-    Raises ValueError for unknown names, SimulationError for a plan that cannot run.
+    (checked against real plans of sampled ranks); "auto" picks full up to FULL_MAX_RANKS ranks. ``shm``
+    (one node only) replays the shared-memory transport's steps instead (sim/shm.py; method "shm").
+    Raises ValueError for unknown names, SimulationError for a plan that cannot run or shm across nodes.
     """
-    if algorithm not in P.ALGORITHMS or collective not in P.COLLECTIVES or dtype not in ITEMSIZE:
+    if algorithm not in ALGORITHMS or collective not in P.COLLECTIVES or dtype not in ITEMSIZE:
         raise ValueError(f"torus-sim: unknown algorithm/collective/dtype {algorithm}/{collective}/{dtype}")
     itemsize = ITEMSIZE[dtype]
+    if algorithm == "shm":
+        return _shm(collective, layout, count, itemsize, cost)
     if method == "auto":
         method = "full" if layout.N <= FULL_MAX_RANKS else "orbit"
     if method == "full":
@@ -137,3 +141,11 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
     time = max(t for t, _ in post.values())
     depth = max(d for _, d in post.values())
     return _result("hierarchical", "allreduce", layout, count, itemsize, time, depth, st, mism, "orbit")
+
+
+def _shm(collective: str, layout: Layout, count: int, itemsize: int, cost: Cost) -> Result:
+    """The shared-memory transport: no messages; ``steps`` counts the flags waited on in sequence, ``sent``
+    the bytes each rank copies into the window, ``reduced`` the bytes it reduces (sim/shm.py)."""
+    time, steps, copied, reduced, flags = shm.replay(collective, layout, count, itemsize, cost)
+    st = {"msgs": flags, "sent": copied, "reduced": reduced, "inter": np.zeros(layout.N)}
+    return _result("shm", collective, layout, count, itemsize, time, steps, st, 0, "shm")
