@@ -69,16 +69,14 @@ class TorusComm:
         (``TORUS_LINK_GBITS``); default: measured here, once, by a short exchange between the leaders of
         nodes 0 and 1 (torus/link.py; tens of milliseconds at 1 Gbit/s). Unused on one node and on emulated
         nodes (``ranks_per_node``), where ``auto`` keeps the one-node table.
-    shm_phases : bool or None
+    shm_phases : bool
         Across nodes, run the phases of hierarchical and torus2d that lie within a node (and hold several
         ranks) over a shared-memory transport on the node's communicator, the other level over the step loop
-        as before (torus/schedules/phases.py). None (default; ``TORUS_SHM_PHASES=1``/``0`` force it): on
-        where every machine has a core per rank (ranks counted by host name); with more ranks than cores
-        they measured slower than MPI's messages (bench/README.md, "Shared-memory phases across hosts").
-        Emulated nodes (``ranks_per_node``) use them only where each one's ranks share memory. Must come
-        out equal on every rank (the argument check compares it). Results are exact and bitwise identical
-        on every rank either way, though not always bitwise equal between the two (the node level reduces
-        in another order). Device buffers of such calls are staged through pinned host memory.
+        as before (torus/schedules/phases.py): default on, ``TORUS_SHM_PHASES=0`` turns them off. Emulated
+        nodes (``ranks_per_node``) use them only where each one's ranks share memory. Must be equal on
+        every rank (the argument check compares it). Results are exact and bitwise identical on every rank
+        either way, though not always bitwise equal between the two (the node level reduces in another
+        order). Device buffers of such calls are staged through pinned host memory.
     threads : "auto", int or None
         OpenMP threads of the host kernels, a process-wide setting (``torus.kernels.set_num_threads``).
         "auto" (default): the CPUs divided by the ranks on this node, unless ``TORUS_NUM_THREADS`` is set; an
@@ -119,11 +117,9 @@ class TorusComm:
         # node_memory is collective whatever this rank's shm_phases, so that ranks that differ in it reach the
         # argument check (which names it) rather than hang here
         machine = options.node_memory(self.comm, self.local_comm, t, bool(o.ranks_per_node)) if t.nodes > 1 else None
-        host_ranks, own_cores = machine or (0, False)
-        on = machine is not None and (own_cores if o.shm_phases is None else o.shm_phases)
-        self._node_shm = {} if not on else {
+        self._node_shm = {} if machine is None or not o.shm_phases else {
             name: SharedMemory(comms[name], comms[name].Get_rank(), comms[name].Get_size(),
-                               o.segment_bytes or None, o.timeout, t.members(name), host_ranks)
+                               o.segment_bytes or None, o.timeout, t.members(name), machine)
             for name in ("local", "row", "col")}
         self._executor = Executor(comms, rank, self.segment_bytes, o.timeout, self._node_shm)
         self._buffer = functools.partial(memory.buffer, self._executor)  # (kind, name, count, dtype) -> array

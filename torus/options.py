@@ -36,18 +36,12 @@ class Options:
     gpu_reduce: bool | None
     link_gbits: float | None  # told; None: measured across real nodes
     ranks_per_node: int  # 0: the real nodes
-    shm_phases: bool | None  # across nodes, the node-level phases over shared memory; None: where ranks have cores
+    shm_phases: bool  # across nodes, run the node-level phases over shared memory (torus/schedules/phases.py)
 
     def segment_for(self, topology: Topology) -> int:
         if self.segment_bytes:
             return self.segment_bytes
         return CROSS_NODE_SEGMENT_BYTES if topology.nodes > 1 else SEGMENT_BYTES
-
-
-def _switch(name: str) -> bool | None:
-    """An environment switch: "1" True, "0" False, unset (or anything else, e.g. "auto") None."""
-    value = os.environ.get(name, "")
-    return True if value == "1" else False if value == "0" else None
 
 
 def resolve(rank: int, size: int, dims, segment_bytes, check, timeout, gpu_reduce, link_gbits,
@@ -74,7 +68,7 @@ def resolve(rank: int, size: int, dims, segment_bytes, check, timeout, gpu_reduc
     return Options(dims, seg, (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check),
                    timeout or None, None if gpu_reduce is None else bool(gpu_reduce), told,
                    int(ranks_per_node or env_float("TORUS_RANKS_PER_NODE", 0)),
-                   _switch("TORUS_SHM_PHASES") if shm_phases is None else bool(shm_phases))
+                   (os.environ.get("TORUS_SHM_PHASES", "1") != "0") if shm_phases is None else bool(shm_phases))
 
 
 def discover(comm: MPI.Intracomm, options: Options) -> Topology:
@@ -96,18 +90,17 @@ def discover(comm: MPI.Intracomm, options: Options) -> Topology:
     return Topology(rank, size, dims, node_of)
 
 
-def node_memory(comm: MPI.Comm, local: MPI.Comm, topology: Topology, emulated: bool) -> tuple | None:
-    """For the shared-memory phases across nodes: ``(ranks on this rank's machine, every machine has a core
-    per rank)``, counting ranks by host name (hosts emulated by network namespaces share one machine and its
-    name), or None where some node's ranks do not all share memory (emulated nodes larger than the machines
-    they run on), so that no rank runs them. ``local``: this rank's node communicator. Collective; real
-    nodes are ranks sharing memory by definition."""
+def node_memory(comm: MPI.Comm, local: MPI.Comm, topology: Topology, emulated: bool) -> int | None:
+    """For the shared-memory phases across nodes: the ranks on this rank's machine (what the transport's spin
+    rule counts), by host name (hosts emulated by network namespaces share one machine and its name), or
+    None where some node's ranks do not all share memory (emulated nodes larger than the machines they run
+    on), so that no rank runs them. ``local``: this rank's node communicator. Collective; real nodes are
+    ranks sharing memory by definition."""
     names = comm.allgather(socket.gethostname())
     ranks = names.count(names[comm.Get_rank()])
-    own_cores = comm.allreduce(ranks <= (os.cpu_count() or 1), op=MPI.LAND)
     if not emulated:
-        return ranks, own_cores
+        return ranks
     node = local.Split_type(MPI.COMM_TYPE_SHARED, key=local.Get_rank())
     shared = node.Get_size() == local.Get_size()
     node.Free()
-    return (ranks, own_cores) if comm.allreduce(shared, op=MPI.LAND) else None
+    return ranks if comm.allreduce(shared, op=MPI.LAND) else None

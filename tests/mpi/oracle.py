@@ -24,7 +24,6 @@ Error bounds (unit roundoff ``u``: 2**-11 float16, 2**-8 bfloat16, 2**-24 float3
 from __future__ import annotations
 
 import hashlib
-import os
 
 import ml_dtypes
 import numpy as np
@@ -49,8 +48,8 @@ _MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "ma
 # tests are collected (in the same order) on every rank.
 # hierarchical-nodes takes the real nodes (COMM_TYPE_SHARED): run across hosts by tests/cluster; on one host
 # it is the same layout as one node of all ranks. Across several (emulated) nodes the node-level phases of
-# hierarchical and torus2d run over shared memory (torus/schedules/phases.py; torus_comm turns them on unless
-# TORUS_SHM_PHASES is set: =0 runs the suites without): torus2d-rpn2 (the default grid, rows the nodes of 2 at
+# hierarchical and torus2d run over shared memory (torus/schedules/phases.py; TORUS_SHM_PHASES=0 runs the
+# suites without): torus2d-rpn2 (the default grid, rows the nodes of 2 at
 # 4 and 6 ranks), torus2d-3x2-rpn3 and torus2d-2x3-rpn4 (rows inside nodes of 4 and 2) at 6 ranks;
 # hierarchical-rpn2-p2p keeps MPI's messages there.
 CASES = ["ring", "native", "shm", "torus2d-1xN", "torus2d-Nx1", "torus2d-2x2", "torus2d-2x3", "torus2d-3x2",
@@ -119,8 +118,6 @@ def torus_comm(case: str, segment_bytes: int | None = None, c_loop: bool = True)
     communicator ids. ``c_loop=False``: host buffers run through the Python step loop even where the C one
     (torus/runtime/c_step_loop.py) is available."""
     algo, kwargs = _config(case)
-    if "TORUS_SHM_PHASES" not in os.environ:  # on even where ranks outnumber cores (their default is off there)
-        kwargs.setdefault("shm_phases", True)
     key = (tuple(sorted(kwargs.items())), segment_bytes, c_loop)
     if key not in _comms:
         _comms[key] = torus.TorusComm(segment_bytes=segment_bytes, timeout=120, **kwargs)
