@@ -1,8 +1,9 @@
 """The per-call argument check across ranks: every rank all-gathers a small signature of its call
-(collective, op, dtype, count, algorithm, segment size, grid, a checksum of recvcounts) and all raise the same
+(collective, op, dtype, count, algorithm, segment size, grid, a checksum of recvcounts, whether the
+node-level phases run over shared memory) and all raise the same
 ``MismatchError`` when any differ, instead of hanging or summing garbage.
 
-Cost: one 9 x int64 ``MPI_Iallgather`` per call, waited for with the stall timeout (so a rank that never calls
+Cost: one 10 x int64 ``MPI_Iallgather`` per call, waited for with the stall timeout (so a rank that never calls
 turns into ``TimeoutError`` before the first data message); about one small-collective latency
 (bench/README.md has the measured figures). ``check=False`` / ``TORUS_CHECK=0`` skips it.
 
@@ -34,7 +35,7 @@ from torus.select import ALGORITHMS
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts",
-             "argument error")
+             "shm phases", "argument error")
 _ERROR = len(SIGNATURE) - 1  # the field that says "this rank rejected its own arguments"
 
 
@@ -100,12 +101,14 @@ def join(comm, rank: int, size: int, timeout, what: str) -> None:
         "abort the job"))
 
 
-def signature(what: str, algo: str, op: str, dt, count: int, recvcounts, segment_bytes: int, X: int) -> np.ndarray:
-    """This call's signature (one int64 per ``SIGNATURE`` field), the row ``agree`` all-gathers. A pure
-    function of the call's shape, so TorusComm keeps it per shape instead of rebuilding it every call."""
+def signature(what: str, algo: str, op: str, dt, count: int, recvcounts, segment_bytes: int, X: int,
+              phased: bool = False) -> np.ndarray:
+    """This call's signature (one int64 per ``SIGNATURE`` field), the row ``agree`` all-gathers; ``phased``:
+    its node-level phases run over shared memory (torus/schedules/phases.py). A pure function of the call's
+    shape, so TorusComm keeps it per shape instead of rebuilding it every call."""
     crc = zlib.crc32(np.asarray(recvcounts, np.int64).tobytes()) if recvcounts is not None else 0
     return np.array([COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count, ALGORITHMS.index(algo),
-                     segment_bytes, X, crc, 0], np.int64)
+                     segment_bytes, X, crc, int(phased), 0], np.int64)
 
 
 def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.ndarray) -> None:

@@ -8,7 +8,8 @@ rank); the MPI need not be CUDA-aware (see ``gpu_reduce``). Every call: resolve 
 calling rank (torus/buffers.py: ValueError/TypeError naming the operation and rank, before any message),
 choose the algorithm (torus/select.py), agree across ranks (torus/agreement.py: MismatchError), then one path:
 stage in, one direct call (MPI's own collective, or the shared-memory transport of torus/runtime/shm.py) or
-the compiled plan, stage out.
+the compiled phases (one plan; across nodes, shared-memory phases within the nodes and a plan between them:
+torus/schedules/phases.py), stage out.
 """
 from __future__ import annotations
 
@@ -68,6 +69,14 @@ class TorusComm:
         (``TORUS_LINK_GBITS``); default: measured here, once, by a short exchange between the leaders of
         nodes 0 and 1 (torus/link.py; tens of milliseconds at 1 Gbit/s). Unused on one node and on emulated
         nodes (``ranks_per_node``), where ``auto`` keeps the one-node table.
+    shm_phases : bool
+        Across nodes, run the phases of hierarchical and torus2d that lie within a node (and hold several
+        ranks) over a shared-memory transport on the node's communicator, the other level over the step loop
+        as before (torus/schedules/phases.py): default on, ``TORUS_SHM_PHASES=0`` turns them off. Emulated
+        nodes (``ranks_per_node``) use them only where each one's ranks share memory. Must be equal on
+        every rank (the argument check compares it). Results are exact and bitwise identical on every rank
+        either way, though not always bitwise equal between the two (the node level reduces in another
+        order). Device buffers of such calls are staged through pinned host memory.
     threads : "auto", int or None
         OpenMP threads of the host kernels, a process-wide setting (``torus.kernels.set_num_threads``).
         "auto" (default): the CPUs divided by the ranks on this node, unless ``TORUS_NUM_THREADS`` is set; an
@@ -84,11 +93,11 @@ class TorusComm:
     def __init__(self, comm: MPI.Intracomm | None = None, dims=None, *, ranks_per_node: int | None = None,
                  segment_bytes: int | None = None, check: bool | None = None, timeout: float | None = -1.0,
                  gpu_reduce: bool | None = None, threads: int | str | None = "auto",
-                 link_gbits: float | None = None):
+                 link_gbits: float | None = None, shm_phases: bool | None = None):
         base = MPI.COMM_WORLD if comm is None else comm
         rank, size = base.Get_rank(), base.Get_size()
         o = options.resolve(rank, size, dims, segment_bytes, check, timeout, gpu_reduce, link_gbits,
-                            ranks_per_node)
+                            ranks_per_node, shm_phases)
         self.comm = base.Dup()
         self.rank, self.size, self.check, self.gpu_reduce = rank, size, o.check, o.gpu_reduce
         self.topology = t = options.discover(self.comm, o)
@@ -101,18 +110,26 @@ class TorusComm:
             kernels.set_num_threads((os.cpu_count() or 1) // self.local_size)
         elif threads not in ("auto", None):
             kernels.set_num_threads(int(threads))
-        comms = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,
-                 "local": self.local_comm, "cross": self.cross_comm}
-        self._executor = Executor(comms, rank, self.segment_bytes, o.timeout)
-        self._buffer = functools.partial(memory.buffer, self._executor)  # (kind, name, count, dtype) -> array
+        comms: dict = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,  # Split's are Intracomms
+                       "local": self.local_comm, "cross": self.cross_comm}
         self._shm = SharedMemory(self.comm, rank, size, o.segment_bytes or None, o.timeout)
+        # Node-level transports for the shared-memory phases across nodes (a window each, set up at first use);
+        # node_memory is collective whatever this rank's shm_phases, so that ranks that differ in it reach the
+        # argument check (which names it) rather than hang here
+        machine = options.node_memory(self.comm, self.local_comm, t, bool(o.ranks_per_node)) if t.nodes > 1 else None
+        self._node_shm = {} if machine is None or not o.shm_phases else {
+            name: SharedMemory(comms[name], comms[name].Get_rank(), comms[name].Get_size(),
+                               o.segment_bytes or None, o.timeout, t.members(name), machine)
+            for name in ("local", "row", "col")}
+        self._executor = Executor(comms, rank, self.segment_bytes, o.timeout, self._node_shm)
+        self._buffer = functools.partial(memory.buffer, self._executor)  # (kind, name, count, dtype) -> array
         self._across = not o.ranks_per_node and t.nodes > 1  # real nodes: auto's multi-node rule applies
         # measured here, where every rank is known to take part (see link.for_nodes)
         self._link_gbits = link.for_nodes(self.comm, t, o.link_gbits, o.timeout) if self._across else o.link_gbits
         # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
         # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
         self._direct = {"native": self._run_native, "shm": self._run_shm}
-        self._shapes = Shapes(t, self.segment_bytes, self.auto_choice)
+        self._shapes = Shapes(t, self.segment_bytes, self.auto_choice, bool(self._node_shm))
         self._agreeing = False
         self._announcements: list = []  # error reports posted and not yet completed (agreement.py)
 
@@ -132,10 +149,16 @@ class TorusComm:
         made; None on one node or emulated nodes when not told."""
         return self._link_gbits
 
+    @property
+    def shm_phases(self) -> bool:
+        """True when calls across nodes run their node-level phases over shared memory (``shm_phases`` on,
+        several nodes, each node's ranks sharing memory; which calls: torus/schedules/phases.py)."""
+        return bool(self._node_shm)
+
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
         """Resolve, choose, agree and run one call; returns what the collective returns."""
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)
-        algo, mine, pre, scale = self._shapes.get(spec.name, algorithm, op, p)
+        algo, phased, mine, pre, scale = self._shapes.get(spec.name, algorithm, op, p)
         self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
         # Over shared memory the signature rides in every step's header (torus/runtime/shm.py), so once the
         # window is open the separate all-gather is skipped (what that misses: torus/agreement.py).
@@ -148,7 +171,7 @@ class TorusComm:
                 raise
         kind = p.memory
         direct = self._direct.get(algo)
-        if kind == "device" and (direct is not None or not self._on_gpu(p.count * p.dtype.itemsize)):
+        if kind == "device" and (direct is not None or phased or not self._on_gpu(p.count * p.dtype.itemsize)):
             kind = "staged"
         buffers.bind(p, spec, kind, self._buffer, lazy_ok=algo != "native" and pre == 1.0)
         buffers.stage_in(p, spec)
@@ -161,13 +184,13 @@ class TorusComm:
             direct(name, spec, p, out, op, scale)
             result = out if spec.output_own else p.work
         else:
-            plan = self._executor.plan(spec.name, algo, self.topology,
-                                       p.count if p.counts is None else tuple(p.counts), p.dtype.itemsize)
-            if kind == "device":
+            counts = p.count if p.counts is None else tuple(p.counts)
+            if kind == "device":  # one plan: phased calls are staged (above)
+                plan = self._executor.plan(spec.name, algo, self.topology, counts, p.dtype.itemsize)
                 self._executor.run_device(name, plan, p.work, op, scale)
             else:
-                self._executor.run(name, plan, p.work, op, scale, p.src if p.lazy else None,
-                                   (p.own.start, p.own.stop) if spec.output_own else None)
+                phases = self._executor.phases(spec.name, algo, self.topology, counts, p.dtype.itemsize, phased)
+                self._executor.run_phases(name, phases, p.work, op, scale, p.src if p.lazy else None, self.check)
             result = p.work[p.own] if spec.output_own else p.work
         buffers.stage_out(p, spec, result)
         return p.result
@@ -245,6 +268,8 @@ class TorusComm:
         """Release the duplicated communicators (collective)."""
         agreement.finish(self._announcements, self.rank, self._executor.timeout, "Free")
         self._shm.free()
+        for transport in self._node_shm.values():
+            transport.free()
         for c in (self.row_comm, self.col_comm, self.local_comm, self.cross_comm, self.comm):
             c.Free()
 

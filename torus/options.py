@@ -7,6 +7,7 @@ Everything here is checked on the calling rank before any message (ValueError na
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -35,6 +36,7 @@ class Options:
     gpu_reduce: bool | None
     link_gbits: float | None  # told; None: measured across real nodes
     ranks_per_node: int  # 0: the real nodes
+    shm_phases: bool  # across nodes, run the node-level phases over shared memory (torus/schedules/phases.py)
 
     def segment_for(self, topology: Topology) -> int:
         if self.segment_bytes:
@@ -43,7 +45,7 @@ class Options:
 
 
 def resolve(rank: int, size: int, dims, segment_bytes, check, timeout, gpu_reduce, link_gbits,
-            ranks_per_node) -> Options:
+            ranks_per_node, shm_phases=None) -> Options:
     """The arguments of ``TorusComm(...)`` with their environment defaults (see its docstring)."""
     if dims is not None:
         X, Y = (int(d) for d in dims)
@@ -65,7 +67,8 @@ def resolve(rank: int, size: int, dims, segment_bytes, check, timeout, gpu_reduc
         raise ValueError(f"TorusComm on rank {rank}: {e}") from None
     return Options(dims, seg, (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check),
                    timeout or None, None if gpu_reduce is None else bool(gpu_reduce), told,
-                   int(ranks_per_node or env_float("TORUS_RANKS_PER_NODE", 0)))
+                   int(ranks_per_node or env_float("TORUS_RANKS_PER_NODE", 0)),
+                   (os.environ.get("TORUS_SHM_PHASES", "1") != "0") if shm_phases is None else bool(shm_phases))
 
 
 def discover(comm: MPI.Intracomm, options: Options) -> Topology:
@@ -85,3 +88,19 @@ def discover(comm: MPI.Intracomm, options: Options) -> Topology:
         Y, X = MPI.Compute_dims(size, 2)  # Compute_dims sorts descending; rows are the shorter side
         dims = (not rpn and node_dims(node_of)) or (X, Y)
     return Topology(rank, size, dims, node_of)
+
+
+def node_memory(comm: MPI.Comm, local: MPI.Comm, topology: Topology, emulated: bool) -> int | None:
+    """For the shared-memory phases across nodes: the ranks on this rank's machine (what the transport's spin
+    rule counts), by host name (hosts emulated by network namespaces share one machine and its name), or
+    None where some node's ranks do not all share memory (emulated nodes larger than the machines they run
+    on), so that no rank runs them. ``local``: this rank's node communicator. Collective; real nodes are
+    ranks sharing memory by definition."""
+    names = comm.allgather(socket.gethostname())
+    ranks = names.count(names[comm.Get_rank()])
+    if not emulated:
+        return ranks
+    node = local.Split_type(MPI.COMM_TYPE_SHARED, key=local.Get_rank())
+    shared = node.Get_size() == local.Get_size()
+    node.Free()
+    return ranks if comm.allreduce(shared, op=MPI.LAND) else None

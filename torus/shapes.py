@@ -2,9 +2,10 @@
 
 A shape is (collective, algorithm as asked, op, dtype, count, in place, per-rank counts). Its decisions: the
 algorithm that runs (``auto`` through torus/select.py, the hierarchical fallback of ``schedules.build.
-effective``), the signature the argument check all-gathers (torus/agreement.py) and the avg factors
-(torus/ops.py). Training repeats a few shapes every step, so these cost nothing after the first call; the
-price is that ``TORUS_ALGO`` is read when a shape is first seen.
+effective``), whether its node-level phases run over shared memory (torus/schedules/phases.py), the
+signature the argument check all-gathers (torus/agreement.py) and the avg factors (torus/ops.py). Training
+repeats a few shapes every step, so these cost nothing after the first call; the price is that ``TORUS_ALGO``
+is read when a shape is first seen.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from torus import agreement, buffers
 from torus.ops import avg_factors
 from torus.schedules.build import effective
+from torus.schedules.phases import node_level
 from torus.select import ALGORITHMS
 from torus.topology import Topology
 
@@ -21,14 +23,16 @@ MAX_SHAPES = 4096  # bounded: a sweep over many sizes must not grow without limi
 
 class Shapes:
     """The decisions of every shape seen on one TorusComm. ``auto(collective, nbytes, in_place)``: the
-    algorithm ``auto`` picks (before the fallback)."""
+    algorithm ``auto`` picks (before the fallback); ``shm_phases``: node-level phases may run over shared
+    memory (TorusComm's ``shm_phases``, where every node's ranks share memory)."""
 
-    def __init__(self, topology: Topology, segment_bytes: int, auto: Callable[[str, int, bool], str]):
-        self.topology, self.segment_bytes, self.auto = topology, segment_bytes, auto
+    def __init__(self, topology: Topology, segment_bytes: int, auto: Callable[[str, int, bool], str],
+                 shm_phases: bool = False):
+        self.topology, self.segment_bytes, self.auto, self.shm_phases = topology, segment_bytes, auto, shm_phases
         self._known: dict = {}
 
     def get(self, what: str, algorithm: str, op: str, p: buffers.Placement) -> tuple:
-        """``(algorithm, signature, pre, post)`` for call ``p`` (resolved by buffers.resolve). Raises
+        """``(algorithm, phased, signature, pre, post)`` for call ``p`` (resolved by buffers.resolve). Raises
         ValueError naming the rank for an unknown algorithm, or ``shm`` across nodes."""
         key = (what, algorithm, op, p.dtype, p.count, p.in_place, p.counts and tuple(p.counts))
         shape = self._known.get(key)
@@ -52,6 +56,8 @@ class Shapes:
                                                    f"{t.size} ranks are on {t.nodes} nodes (use ring, "
                                                    "hierarchical or torus2d)")
         algo = effective(what, algo, t)
-        mine = agreement.signature(what, algo, op, p.dtype, p.count, p.counts, self.segment_bytes, t.dims[0])
+        phased = self.shm_phases and node_level(what, algo, t) is not None
+        mine = agreement.signature(what, algo, op, p.dtype, p.count, p.counts, self.segment_bytes, t.dims[0],
+                                   phased)
         pre, post = avg_factors(p.dtype, t.size) if op == "avg" else (1.0, 1.0)
-        return algo, mine, pre, post
+        return algo, phased, mine, pre, post

@@ -43,13 +43,18 @@ _U = {np.dtype(np.float16): 2.0 ** -11, BF16: 2.0 ** -8, np.dtype(np.float32): 2
       np.dtype(np.float64): 2.0 ** -53}
 _MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 
-# Every algorithm (shm: one node, shared memory), and every grid / node layout the issue names (rpn2 at 3
-# ranks and rpn4 at 6 make nodes of unequal size); ids are stable across sizes so that the same tests are
-# collected (in the same order) on every rank.
+# Every algorithm (shm: one node, shared memory), and every grid / node layout the issue names (unequal nodes:
+# rpn2 at 3 and 5 ranks, rpn3 at 4 and 5 (3+2), rpn4 at 5 and 6); ids are stable across sizes so that the same
+# tests are collected (in the same order) on every rank.
 # hierarchical-nodes takes the real nodes (COMM_TYPE_SHARED): run across hosts by tests/cluster; on one host
-# it is the same layout as one node of all ranks.
+# it is the same layout as one node of all ranks. Across several (emulated) nodes the node-level phases of
+# hierarchical and torus2d run over shared memory (torus/schedules/phases.py; TORUS_SHM_PHASES=0 runs the
+# suites without): torus2d-rpn2 (the default grid, rows the nodes of 2 at
+# 4 and 6 ranks), torus2d-3x2-rpn3 and torus2d-2x3-rpn4 (rows inside nodes of 4 and 2) at 6 ranks;
+# hierarchical-rpn2-p2p keeps MPI's messages there.
 CASES = ["ring", "native", "shm", "torus2d-1xN", "torus2d-Nx1", "torus2d-2x2", "torus2d-2x3", "torus2d-3x2",
-         "hierarchical-rpn1", "hierarchical-rpn2", "hierarchical-rpn4", "hierarchical-rpnN", "hierarchical-nodes"]
+         "torus2d-rpn2", "torus2d-3x2-rpn3", "torus2d-2x3-rpn4", "hierarchical-rpn1", "hierarchical-rpn2",
+         "hierarchical-rpn3", "hierarchical-rpn4", "hierarchical-rpnN", "hierarchical-nodes", "hierarchical-rpn2-p2p"]
 _comms: dict = {}
 # recvcounts patterns for reduce-scatter and all-gather; those in BLOCK_FORM are passed as recvcounts=None.
 PATTERNS = {
@@ -79,20 +84,29 @@ def _config(case: str):
     algo, _, layout = case.partition("-")
     if algo == "shm" and not one_node():
         pytest.skip("the ranks span several nodes; shm serves one node")
+    if algo == "torus2d" and layout.startswith("rpn"):  # the grid TorusComm picks on emulated nodes
+        if SIZE not in (4, 6):
+            pytest.skip(f"at {SIZE} ranks no grid axis of several ranks lies inside nodes of 2")
+        return algo, {"ranks_per_node": 2}
     if algo == "torus2d":
-        X, Y = (SIZE if d == "N" else int(d) for d in layout.split("x"))
+        grid, _, nodes = layout.partition("-")
+        X, Y = (SIZE if d == "N" else int(d) for d in grid.split("x"))
         if X * Y != SIZE:
-            pytest.skip(f"a {layout} grid does not fit {SIZE} ranks")
-        if layout == "Nx1" and SIZE == 1:
+            pytest.skip(f"a {grid} grid does not fit {SIZE} ranks")
+        if grid == "Nx1" and SIZE == 1:
             pytest.skip("the same 1x1 grid as 1xN")
-        return algo, {"dims": (X, Y)}
+        return algo, {"dims": (X, Y), **({"ranks_per_node": int(nodes[3:])} if nodes else {})}
     if algo == "hierarchical" and layout == "nodes":
         if one_node():
             pytest.skip("one real node: the same layout as rpnN")
         return algo, {}
+    if algo == "hierarchical" and layout.endswith("-p2p"):
+        if SIZE < 3:
+            pytest.skip("one node: no node-level phases to keep off shared memory")
+        return algo, {"ranks_per_node": 2, "shm_phases": False}
     if algo == "hierarchical":
         rpn = SIZE if layout == "rpnN" else int(layout[3:])
-        if layout == "rpnN" and SIZE <= 2 or layout == "rpn4" and SIZE <= 4 or rpn > SIZE:
+        if layout == "rpnN" and SIZE <= 2 or layout in ("rpn3", "rpn4") and SIZE <= rpn or rpn > SIZE:
             pytest.skip("the same node layout as another case")
         return algo, {"ranks_per_node": rpn}
     return algo, {}

@@ -31,7 +31,7 @@ def environment(tc, argv) -> dict:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "ranks": tc.size, "dims": f"{tc.dims[0]}x{tc.dims[1]}",
         "nodes": tc.nodes, "ranks_per_node": tc.local_size, "segment_bytes": tc.segment_bytes,
-        "check_arguments": tc.check,
+        "check_arguments": tc.check, "shm_phases": tc.shm_phases,
         "hosts": sorted(set(hosts)), "cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
         "kernel_threads": kernels.get_num_threads(),
         "mpi_library": "; ".join(" ".join(line.split()) for line in MPI.Get_library_version().splitlines()

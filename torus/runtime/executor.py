@@ -1,8 +1,12 @@
 """The runtime of one TorusComm: its communicators by name, its reusable buffers, plan compilation, and the
 runs: host buffers through the C step loop where it is built (torus.runtime.c_step_loop) or the step
-interpreter with ``HostMemory``; GPU buffers through the interpreter with ``DeviceMemory``.
+interpreter with ``HostMemory``; GPU buffers through the interpreter with ``DeviceMemory``; host buffers of
+a phased call (torus.schedules.phases) phase after phase, each a plan or a call of a node-level
+shared-memory transport.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,14 +16,40 @@ from torus.ops import OP_CODE
 from torus.runtime import c_step_loop, interpreter
 from torus.runtime.compile import CompiledPlan, _Message, compile_plan
 from torus.runtime.memory import DeviceMemory, HostMemory, copy_untouched
+from torus.runtime.shm import SharedMemory
+from torus.schedules import phases as phased
 from torus.schedules.build import build
 
 
-class Executor:
-    """Holds the communicators by name and the reusable buffers of one TorusComm."""
+@dataclass(frozen=True)
+class _PlanPhase:
+    plan: CompiledPlan
+    keep: tuple | None
 
-    def __init__(self, comms: dict, rank: int, segment_bytes: int, timeout: float | None):
+    def run(self, ex, what: str, buf, op: str, scale: float, src, check: bool) -> None:
+        ex.run(what, self.plan, buf, op, scale, src, self.keep)
+
+
+@dataclass(frozen=True)
+class _ShmPhase:
+    transport: SharedMemory  # of the phase's communicator
+    phase: phased.Shm
+
+    def run(self, ex, what: str, buf, op: str, scale: float, src, check: bool) -> None:
+        ph = self.phase
+        inp = (buf if src is None else src)[ph.inp[0]:ph.inp[1]]
+        self.transport.run(what, ph.collective, inp, buf[ph.out[0]:ph.out[1]], ph.counts, op,
+                           scale if ph.final else 1.0, check)
+
+
+class Executor:
+    """Holds the communicators by name, the node-level shared-memory transports by communicator name
+    (``shm``: those phased calls use; torus.runtime.shm.SharedMemory) and the reusable buffers of one
+    TorusComm."""
+
+    def __init__(self, comms: dict, rank: int, segment_bytes: int, timeout: float | None, shm=None):
         self.comms = comms
+        self.shm = shm or {}
         self.rank = rank
         self.segment_bytes = segment_bytes
         self.timeout = timeout
@@ -58,6 +88,21 @@ class Executor:
             compiled = self._plans[key] = self.compile(build(what, algo, topology, counts), itemsize, total)
         return compiled
 
+    def phases(self, what: str, algo: str, topology, counts, itemsize: int, shared: bool) -> tuple:
+        """``schedules.phases.build(what, algo, topology, counts, shared)`` ready to run (plans compiled),
+        cached as ``plan`` is."""
+        key = ("phases", what, algo, counts, itemsize, shared)
+        hit = self._plans.get(key)
+        if hit is None:
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            total = counts if isinstance(counts, int) else sum(counts)
+            hit = self._plans[key] = tuple(
+                _PlanPhase(self.compile(ph.steps, itemsize, total), ph.keep) if isinstance(ph, phased.Plan)
+                else _ShmPhase(self.shm[ph.comm], ph)
+                for ph in phased.build(what, algo, topology, counts, shared))
+        return hit
+
     def _stall(self, what: str, step: int, nsteps: int, msg: _Message) -> str:
         return (f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step {step + 1}/{nsteps} "
                 f"waiting on rank {msg.peer} of the {msg.name} communicator (a peer died, stalled or called a "
@@ -88,6 +133,15 @@ class Executor:
             copy_untouched(plan, buf, src, keep)
             return
         interpreter.run(self, what, plan, HostMemory(plan, buf, op, scale, src, keep, tmp))
+
+    def run_phases(self, what: str, phases: tuple, buf: np.ndarray, op: str, scale: float, src,
+                   check: bool) -> None:
+        """Run ``phases`` (from :meth:`phases`) in order on host ``buf``; ``src``: the out-of-place input, read
+        by the first phase only (it leaves in ``buf`` what the later ones read). ``check``: the TorusComm's
+        argument check is on (see SharedMemory.run)."""
+        for phase in phases:
+            phase.run(self, what, buf, op, scale, src, check)
+            src = None
 
     def run_device(self, what: str, plan: CompiledPlan, buf, op: str, scale: float) -> None:
         """Execute ``plan`` on ``buf``, a 1-D contiguous numba device array (see ``DeviceMemory``)."""

@@ -63,7 +63,9 @@ its buffer, and ends with a second ``copied`` that every rank waits for, so that
 again (the next step's gradients) while a peer still reads it. No copy in, no segments; two step numbers per
 call; the signature names the buffer (which ``alloc``), so ranks passing different buffers mismatch.
 
-Not done yet (issue 14): out-of-place calls from an ``alloc`` buffer (they take the ordinary path).
+Across nodes the node-level phases of hierarchical and torus2d run over transports of this kind on the node's
+sub-communicators (torus/schedules/phases.py). Not done yet (issue 14): out-of-place calls from an ``alloc``
+buffer (they take the ordinary path).
 """
 from __future__ import annotations
 
@@ -109,12 +111,16 @@ class SharedMemory:
     """The shared-memory transport of one TorusComm: ``comm`` (its duplicated communicator, every rank on
     one node), ``segment_bytes`` (data bytes per rank and step, None: SEGMENT_BYTES, or
     OVERSUBSCRIBED_SEGMENT_BYTES with more ranks than cores; rounded up to a multiple of ``64 * size``),
-    ``timeout`` (seconds without progress before TimeoutError; None waits forever)."""
+    ``timeout`` (seconds without progress before TimeoutError; None waits forever). A node-level transport
+    (the shared-memory phases of a call across nodes, torus/schedules/phases.py) runs on a sub-communicator:
+    ``members`` gives its ranks' numbers in errors (default: their ranks in ``comm``), ``host_ranks`` the
+    ranks on this machine, for the spin rule (default ``size``)."""
 
     def __init__(self, comm: MPI.Intracomm, rank: int, size: int, segment_bytes: int | None,
-                 timeout: float | None):
+                 timeout: float | None, members=None, host_ranks: int | None = None):
         self.comm, self.rank, self.size, self.timeout = comm, rank, size, timeout
-        own_cores = size <= (os.cpu_count() or 1)
+        self.members = tuple(range(size)) if members is None else tuple(members)
+        own_cores = (host_ranks or size) <= (os.cpu_count() or 1)
         self.spin = SPIN_POLLS if own_cores else 0
         seg = segment_bytes or (SEGMENT_BYTES if own_cores else OVERSUBSCRIBED_SEGMENT_BYTES)
         line = 64 * size
@@ -131,13 +137,13 @@ class SharedMemory:
         """A barrier bounded by the stall timeout, before a blocking MPI window call (so a rank that never
         comes is a TimeoutError, not a hang inside MPI)."""
         faults.wait(self.comm.Ibarrier(), self.timeout, lambda: (
-            f"{what} on rank {self.rank}: no progress for {self.timeout:g} s {doing} (some rank never made "
-            "this call); abort the job"))
+            f"{what} on rank {self.members[self.rank]}: no progress for {self.timeout:g} s {doing} (some rank "
+            "never made this call); abort the job"))
 
     def _open(self, what: str) -> None:
-        rank, size = self.rank, self.size
+        rank, size = self.members[self.rank], self.size
         self._barrier(what, "setting up the shared-memory window")
-        shared = MPI.Intracomm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))  # same handle, typed
+        shared = MPI.Intracomm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))  # same handle, typed
         if shared.Get_size() != size:
             n = shared.Get_size()
             shared.Free()
@@ -209,8 +215,8 @@ class SharedMemory:
         agreement.PeerRejected: a peer rejected its own arguments),
         TorusError (the transport failed before), ValueError (the ranks span several nodes)."""
         if self._broken:
-            raise TorusError(f"{what} on rank {self.rank}: the shared-memory transport is unusable after an "
-                             f"earlier failure ({self._broken}); abort the job")
+            raise TorusError(f"{what} on rank {self.members[self.rank]}: the shared-memory transport is unusable "
+                             f"after an earlier failure ({self._broken}); abort the job")
         if self._win is None:
             self._open(what)
         window = (self._buffers.get(out.__array_interface__["data"][0])
@@ -241,21 +247,22 @@ class SharedMemory:
         if status == _shm.DONE:
             self._seq += nsteps
             return
+        me, who = self.members[self.rank], self.members[peer]
         if status == _shm.PEER_ERROR and step == 0:
             if check:  # complete the all-gather that rank posted with its report (agreement.reports_errors)
                 agreement.join(self.comm, self.rank, self.size, self.timeout, what)
-            self.skip_step(check, f"rank {peer} rejected its own arguments")
-            raise agreement.PeerRejected(f"{what} on rank {self.rank}: rank {peer} rejected its own arguments "
+            self.skip_step(check, f"rank {who} rejected its own arguments")
+            raise agreement.PeerRejected(f"{what} on rank {me}: rank {who} rejected its own arguments "
                                          "to this call (see the error there)")
         if status in (_shm.MISMATCH, _shm.PEER_ERROR):
-            self._broken = f"rank {peer} made a different call"
-            raise MismatchError(f"{what} on rank {self.rank}: rank {peer} called a different collective, dtype, "
+            self._broken = f"rank {who} made a different call"
+            raise MismatchError(f"{what} on rank {me}: rank {who} called a different collective, dtype, "
                                 f"op or counts (or a buffer from another alloc) over shared memory at step "
                                 f"{step + 1}/{nsteps}")
         waited = "copy in its input" if status == _shm.STALLED_COPY else "publish its reduced chunk"
-        self._broken = f"rank {peer} stalled"
-        raise TorusTimeout(f"{what} on rank {self.rank}: no progress for {self.timeout:g} s at step "
-                           f"{step + 1}/{nsteps} waiting on rank {peer} of the shared-memory window to {waited} "
+        self._broken = f"rank {who} stalled"
+        raise TorusTimeout(f"{what} on rank {me}: no progress for {self.timeout:g} s at step "
+                           f"{step + 1}/{nsteps} waiting on rank {who} of the shared-memory window to {waited} "
                            "(a peer died, stalled or called a different collective); the communicator is "
                            "unusable now, abort the job")
 

@@ -28,7 +28,8 @@ def allreduce(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col:
             + ring.allgather(row, x, X, row_counts, row_displs))
 
 
-def _row_segments(X: int, Y: int, counts, displs):
+def row_segments(X: int, Y: int, counts, displs):
+    """Row ``j``'s blocks (world ranks ``j*X .. j*X + X - 1``) as one segment: ``(counts, displs)``."""
     seg_counts = [sum(counts[j * X:(j + 1) * X]) for j in range(Y)]
     seg_displs = [displs[j * X] for j in range(Y)]
     return seg_counts, seg_displs
@@ -36,7 +37,7 @@ def _row_segments(X: int, Y: int, counts, displs):
 
 def reduce_scatter(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col"):
     """Block ``y*X + x`` (``counts``/``displs`` index world ranks) ends reduced on rank ``(x, y)``."""
-    seg_counts, seg_displs = _row_segments(X, Y, counts, displs)
+    seg_counts, seg_displs = row_segments(X, Y, counts, displs)
     mine = slice(y * X, (y + 1) * X)
     return (ring.reduce_scatter(col, y, Y, seg_counts, seg_displs, final=X == 1)
             + ring.reduce_scatter(row, x, X, counts[mine], displs[mine], final=X > 1))
@@ -44,7 +45,7 @@ def reduce_scatter(x: int, y: int, X: int, Y: int, counts, displs, row: str = "r
 
 def allgather(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col"):
     """Every rank ends with every block, given that rank ``(x, y)`` holds block ``y*X + x``."""
-    seg_counts, seg_displs = _row_segments(X, Y, counts, displs)
+    seg_counts, seg_displs = row_segments(X, Y, counts, displs)
     mine = slice(y * X, (y + 1) * X)
     return (ring.allgather(row, x, X, counts[mine], displs[mine])
             + ring.allgather(col, y, Y, seg_counts, seg_displs))
