@@ -24,7 +24,7 @@ cdef extern from "shm_copy.h" nogil:
     void torus_copy_stream(char* dst, const char* src, size_t n)
     void torus_stream_fence()
 
-from host_c cimport monotonic_s, reduce_t
+from host_c cimport monotonic_s, reduce_t, sched_yield
 
 cdef reduce_t _reduce_raw = <reduce_t>PyCapsule_GetPointer(_reduce.raw_reduce(), b"torus._ext._reduce.raw")
 
@@ -64,9 +64,11 @@ cdef double _NAP = 0.05
 
 
 cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) noexcept nogil:
-    """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without. Polls ``spin`` times
-    (a few microseconds when every rank has its own core), then sleeps on the flag until its writer wakes it
-    (src/shm_flags.h): with more processes than cores the rank waited for may need this very core."""
+    """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without. ``spin >= 0``: polls
+    that many times (a few microseconds when every rank has its own core); ``spin < 0``: yields the core
+    ``-spin`` times instead (more ranks than cores: the rank waited for may need this very core, and on a
+    quiet node a yield hands it over at once). Then sleeps on the flag until its writer wakes it
+    (src/shm_flags.h): a rank that kept yielding would stay runnable and take its share of a busy core."""
     cdef double deadline = 0.0, left = _NAP
     cdef int polls = 0
     cdef uint64_t seen = torus_flag_load(flag)
@@ -74,6 +76,11 @@ cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) 
         return 0
     while polls < spin:
         torus_cpu_relax()
+        if torus_flag_load(flag) >= target:
+            return 0
+        polls += 1
+    while polls < -spin:
+        sched_yield()
         if torus_flag_load(flag) >= target:
             return 0
         polls += 1

@@ -37,11 +37,13 @@ TABLE = (
 # Where every rank is on one node, these rows come first (same columns): the shared-memory transport
 # (torus/runtime/shm.py) against the rows below and the best native all-reduces, measured with
 # bench/native_peers.py on 2 cores (bench/results/native_peers.txt, tabulated in README.md): at 2 ranks and
-# at 4 (two per core) shm led at every size from 64 KiB to 256 MiB. At 4 ranks it used to fall far behind
-# under load above 1 MiB, when its waits yielded the core; they sleep on a futex now (src/shm_flags.h).
-# More than 4 ranks, and 4 ranks with a core each, were not measured. Never across nodes.
+# at 4 (two per core) shm led at every size from 64 KiB to 256 MiB, and at 6 (three per core) it took about
+# half the time of torus2d and MPICH from 64 KiB to 64 MiB (bench/README.md, "Shared memory"). At 4 ranks it
+# used to fall far behind under load above 1 MiB, when its waits yielded the core; they sleep on a futex now
+# (src/shm_flags.h). More than 6 ranks, and ranks with a core each beyond 2, were not measured. Never across
+# nodes.
 ONE_NODE_TABLE = (
-    (4, None, None, "shm"),
+    (6, None, None, "shm"),
 )
 
 

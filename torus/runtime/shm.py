@@ -96,6 +96,8 @@ OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
 # on current x86: 2,000 polls left 64 KiB at 25 us against 18 us); with more ranks than cores a wait sleeps
 # at once.
 SPIN_POLLS = 20000
+# With more ranks than cores: yields of the core before a wait sleeps instead of polls.
+OVERSUBSCRIBED_YIELDS = 64
 # Where MPI maps shared windows (MPICH and Open MPI on Linux), and what alloc leaves free there for others.
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM_BYTES = 16 << 20
@@ -104,7 +106,7 @@ SHM_HEADROOM_BYTES = 16 << 20
 # ranks 10-20% faster from 4 B to 16 KiB, slower from 64 KiB; exploratory, loaded machine).
 WHOLE_MAX_BYTES = int(os.environ.get("TORUS_SHM_WHOLE_BYTES", 16 << 10))
 # Outputs from this size (out of place) are copied out with non-temporal stores (src/shm_copy.h).
-STREAM_MIN_BYTES = int(os.environ.get("TORUS_SHM_STREAM_BYTES", 8 << 20))
+STREAM_MIN_BYTES = int(os.environ.get("TORUS_SHM_STREAM_BYTES", 128 << 20))
 
 
 class SharedMemory:
@@ -121,7 +123,7 @@ class SharedMemory:
         self.comm, self.rank, self.size, self.timeout = comm, rank, size, timeout
         self.members = tuple(range(size)) if members is None else tuple(members)
         own_cores = (host_ranks or size) <= (os.cpu_count() or 1)
-        self.spin = SPIN_POLLS if own_cores else 0
+        self.spin = SPIN_POLLS if own_cores else -int(os.environ.get("TORUS_SHM_YIELDS", OVERSUBSCRIBED_YIELDS))
         seg = segment_bytes or (SEGMENT_BYTES if own_cores else OVERSUBSCRIBED_SEGMENT_BYTES)
         line = 64 * size
         self.slot_bytes = -(-seg // line) * line
