@@ -1,7 +1,16 @@
 """algorithm="auto": the table's rows, the grid rule and the TORUS_ALGO override."""
 import pytest
 
-from torus.select import ALGORITHMS, NATIVE_LINK_SECONDS, ONE_NODE_TABLE, RING_MAX_NODES, TABLE, Nodes, choose
+from torus.select import (
+    ALGORITHMS,
+    NATIVE_LINK_SECONDS,
+    ONE_NODE_TABLE,
+    RING_MAX_NODES,
+    TABLE,
+    TORUS2D_LINK_SECONDS,
+    Nodes,
+    choose,
+)
 
 
 def _expected(nbytes, size, in_place):
@@ -75,7 +84,10 @@ def _expected_across(nbytes, dims, nodes):
         return "native"
     line = dims[0] == 1 or dims[1] == 1
     if nodes.ranks_per_node == 1:
-        return "ring" if line or nodes.nodes <= RING_MAX_NODES else "torus2d"
+        if line:
+            return "ring"
+        few_steps_matter = nbytes * 8 / (nodes.link_gbits * 1e9) <= TORUS2D_LINK_SECONDS
+        return "torus2d" if few_steps_matter or nodes.nodes > RING_MAX_NODES else "ring"
     return "hierarchical" if line or nodes.node_axis is None else "torus2d"
 
 

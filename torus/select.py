@@ -92,9 +92,12 @@ class Nodes:
 # (0.5 ms on the link) and from 256 KiB at 4 Gbit/s (0.5 ms); at 64 KiB and 4 Gbit/s (0.13 ms) they tied.
 NATIVE_LINK_SECONDS = 0.25e-3
 # One rank per node: every message crosses a link and the ring and the torus send the same bytes; the ring
-# measured as fast or faster at 2 and 4 nodes, the torus' fewer steps (2(X-1)+2(Y-1) against 2(N-1)) are for
-# more nodes than that.
+# measured as fast or faster at 2 and 4 nodes once the buffer takes TORUS2D_LINK_SECONDS on the link; below
+# that the torus' fewer steps (2(X-1)+2(Y-1) against 2(N-1)) won at 4 nodes (4 Gbit/s, 256 KiB: 0.78 against
+# 1.02 ms, 40 iterations; at 1 MiB, 2 ms on the link, they tied: bench/results/cluster_small_sizes.txt), and
+# at any size above RING_MAX_NODES nodes.
 RING_MAX_NODES = 4
+TORUS2D_LINK_SECONDS = 1e-3
 
 
 def across_nodes(nbytes: int, dims, nodes: Nodes) -> str:
@@ -103,8 +106,9 @@ def across_nodes(nbytes: int, dims, nodes: Nodes) -> str:
     within the nodes (its cross-node phase moves ``2(C-1)/C`` of the buffer per node, split over the node's
     ranks) and the hierarchical all-reduce where none does or the grid is a line (only the leaders cross,
     ``2(C-1)/C`` of it, against the ring's ``2(N-1)/N``); with one rank per node, where every message crosses
-    and the ring and the torus send the same bytes, the ring up to ``RING_MAX_NODES`` nodes (or when the
-    grid is a line) and the torus above, for its fewer steps. Where the table above was measured on one node,
+    and the ring and the torus send the same bytes, the torus for its fewer steps while the buffer crosses a
+    link in under ``TORUS2D_LINK_SECONDS`` or above ``RING_MAX_NODES`` nodes, else (or when the grid is a
+    line) the ring. Where the table above was measured on one node,
     this rule's constants come from the emulated cluster (tests/cluster, bench/cluster_sweep.py): on its
     quiet run (bench/results/cluster_sweep.txt, cluster_small_sizes.txt) the pick was within 10% of the
     fastest algorithm's time at every size from 64 KiB to 64 MiB at 2 x 1, 2 x 2 and 4 x 1 hosts x ranks, 1 and
@@ -116,4 +120,7 @@ def across_nodes(nbytes: int, dims, nodes: Nodes) -> str:
         return "native"
     if nodes.ranks_per_node > 1:
         return "torus2d" if nodes.node_axis is not None and 1 not in dims else "hierarchical"
-    return "ring" if 1 in dims or nodes.nodes <= RING_MAX_NODES else "torus2d"
+    if 1 in dims:
+        return "ring"
+    latency_bound = nbytes <= TORUS2D_LINK_SECONDS * link_bytes_per_s
+    return "torus2d" if latency_bound or nodes.nodes > RING_MAX_NODES else "ring"
