@@ -22,7 +22,7 @@ from mpi4py import MPI
 from torus import agreement, buffers, kernels, link, options
 from torus.runtime import memory
 from torus.runtime.executor import Executor
-from torus.runtime.shm import SharedMemory
+from torus.runtime.shm import SharedMemory, StepMismatch
 from torus.select import Nodes, choose
 from torus.shapes import Shapes
 
@@ -181,7 +181,12 @@ class TorusComm:
         if direct is not None:
             out = p.out if kind == "host" or p.out is None else self._buffer("pinned", "stage out",
                                                                               p.out.size, p.dtype)
-            direct(name, spec, p, out, op, scale)
+            try:
+                direct(name, spec, p, out, op, scale)
+            except StepMismatch:
+                if self.check:  # every rank is here: say which argument differs (MismatchError)
+                    agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, mine)
+                raise
             result = out if spec.output_own else p.work
         else:
             counts = p.count if p.counts is None else tuple(p.counts)

@@ -150,6 +150,37 @@ def test_a_peer_with_another_count_is_a_mismatch_even_with_the_check_off():
     WORLD.Barrier()
 
 
+@pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")
+@pytest.mark.parametrize("n", [100, 5000, 70_000])
+def test_a_mismatch_once_the_window_is_open_names_the_argument_and_leaves_it_usable(n, rng):
+    """With the argument check on, shm calls skip its all-gather once the window is open; a peer with another
+    count then fails every rank at the call's first step, which runs the all-gather to say what differs
+    (the count, per rank), and later calls still run (one-step, stepped and both-sizes calls)."""
+    tc, algo = torus_comm("shm")
+    tc.allreduce(np.ones(8, np.float32), algorithm=algo)  # the window is open from here on
+    mine = n + 1 if RANK == LAST else n
+    for _ in range(2):
+        with pytest.raises(torus.MismatchError, match=f"on rank {RANK}: ranks disagree on count .*rank {LAST} "
+                                                      f"has {n + 1}"):
+            tc.allreduce(np.ones(mine, np.float32), algorithm=algo)
+    x = make(rng, np.float64, "sum", n)
+    out = tc.allreduce(x, algorithm=algo)
+    assert_matches(out, *expected(x, "sum"), f"allreduce(shm) of {n} after the mismatch")
+    assert_same_on_all_ranks(out, "after the mismatch")
+
+
+def test_a_freed_alloc_buffer_is_refused_not_a_crash():
+    tc, algo = torus_comm("shm")
+    a = tc.alloc(1000, np.float32)
+    a[:] = RANK
+    tc.allreduce(torus.IN_PLACE, a, algorithm=algo)
+    tc.free_alloc(a)
+    with pytest.raises(ValueError, match=f"on rank {RANK}: recvbuf \\(in place\\) is read-only"):
+        tc.allreduce(torus.IN_PLACE, a, algorithm=algo)
+    with pytest.raises(ValueError, match="read-only"):
+        a[:] = 1
+
+
 @pytest.mark.skipif(SIZE < 2, reason="one rank per node needs two ranks")
 @pytest.mark.parametrize("forced", [False, True])
 def test_refused_when_the_ranks_span_nodes(monkeypatch, forced):

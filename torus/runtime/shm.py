@@ -109,6 +109,12 @@ WHOLE_MAX_BYTES = int(os.environ.get("TORUS_SHM_WHOLE_BYTES", 16 << 10))
 STREAM_MIN_BYTES = int(os.environ.get("TORUS_SHM_STREAM_BYTES", 128 << 20))
 
 
+class StepMismatch(MismatchError):
+    """The peers' headers differed from this rank's at the first step of a call, which every rank then fails
+    at: the transport stays usable, and TorusComm (with its argument check on) runs the all-gather of the
+    arguments to say which differ."""
+
+
 class SharedMemory:
     """The shared-memory transport of one TorusComm: ``comm`` (its duplicated communicator, every rank on
     one node), ``segment_bytes`` (data bytes per rank and step, None: SEGMENT_BYTES, or
@@ -257,10 +263,15 @@ class SharedMemory:
             raise agreement.PeerRejected(f"{what} on rank {me}: rank {who} rejected its own arguments "
                                          "to this call (see the error there)")
         if status in (_shm.MISMATCH, _shm.PEER_ERROR):
+            message = (f"{what} on rank {me}: rank {who} called a different collective, dtype, op or counts (or "
+                       f"a buffer from another alloc) over shared memory at step {step + 1}/{nsteps}")
+            if step == 0 and status == _shm.MISMATCH:
+                # Every rank fails at this step's join (each has a peer whose header differs from its own), and
+                # none has read a peer's data: spending the step on every rank keeps the counters equal.
+                self._seq += 1
+                raise StepMismatch(message)
             self._broken = f"rank {who} made a different call"
-            raise MismatchError(f"{what} on rank {me}: rank {who} called a different collective, dtype, "
-                                f"op or counts (or a buffer from another alloc) over shared memory at step "
-                                f"{step + 1}/{nsteps}")
+            raise MismatchError(message)
         waited = "copy in its input" if status == _shm.STALLED_COPY else "publish its reduced chunk"
         self._broken = f"rank {who} stalled"
         raise TorusTimeout(f"{what} on rank {me}: no progress for {self.timeout:g} s at step "
@@ -326,6 +337,7 @@ class SharedMemory:
             raise ValueError(f"{what} on rank {self.rank}: not an array from TorusComm.alloc (or a view of one)")
         self._barrier(what, "freeing a shared buffer")
         del self._buffers[array.ctypes.data]
+        array.flags.writeable = False  # a write into it (new gradients, an in-place call) is an error, not a crash
         found[0].Free()
 
     def free(self) -> None:
