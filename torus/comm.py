@@ -215,12 +215,13 @@ class TorusComm:
     def allreduce(self, sendbuf, recvbuf=None, *, op: str = "sum", algorithm: str = "auto"):
         """All-reduce: every rank ends with ``op`` over all ranks' buffers, elementwise.
 
-        sendbuf: any shape, ``count`` elements; or ``MPI.IN_PLACE`` (then ``recvbuf`` is input and output).
-        recvbuf: ``count`` elements of the same dtype (any shape), or None to allocate ``empty_like(sendbuf)``.
-        Returns recvbuf. Every rank's result is bitwise identical for every algorithm (each element is
-        reduced once, on its owner, and copied to the others). ``op="avg"`` does not overflow where the mean
-        fits (torus.ops.avg_factors). Raises ValueError/TypeError on bad input and MismatchError when ranks
-        disagree; see the class docstring.
+        sendbuf: any shape, C-contiguous, ``count`` elements; or ``MPI.IN_PLACE`` (then ``recvbuf`` is input
+        and output). recvbuf: ``count`` elements of the same dtype (any shape, C-contiguous, writable), or None
+        to allocate ``empty_like(sendbuf)``. Returns recvbuf. Every rank's result is bitwise identical for
+        every algorithm (each element is reduced once, on its owner, and copied to the others).
+        ``op="avg"`` (floating dtypes only: for integers it is a TypeError, use "sum" and divide) does not
+        overflow where the mean fits (torus.ops.avg_factors). Raises ValueError/TypeError on bad input and
+        MismatchError when ranks disagree; see the class docstring.
         """
         return self._call(buffers.ALLREDUCE, sendbuf, recvbuf, op, algorithm)
 

@@ -179,6 +179,8 @@ def test_a_freed_alloc_buffer_is_refused_not_a_crash():
         tc.allreduce(torus.IN_PLACE, a, algorithm=algo)
     with pytest.raises(ValueError, match="read-only"):
         a[:] = 1
+    with pytest.raises(ValueError, match=f"free_alloc on rank {RANK}: this array was freed already"):
+        tc.free_alloc(a)
 
 
 @pytest.mark.skipif(SIZE < 2, reason="one rank per node needs two ranks")

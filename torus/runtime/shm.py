@@ -138,6 +138,7 @@ class SharedMemory:
         self._seq = 0
         self._broken = ""
         self._calls: dict = {}  # call shape -> what _prepare decided for it
+        self._freed: set = set()  # addresses of alloc arrays freed since (a later alloc may reuse one)
         self._buffers: dict = {}  # address of an alloc buffer -> (window, every rank's address, nbytes, index)
         self._allocs = 0  # alloc buffers made so far: the next one's index
 
@@ -308,6 +309,7 @@ class SharedMemory:
         data = np.array([win.Shared_query(q)[0].address for q in range(self.size)], np.int64)
         array = np.frombuffer(win.tomemory(), dtype, count)  # type: ignore[call-overload]  # mpi4py buffer
         self._buffers[array.ctypes.data] = (win, data, nbytes, self._allocs)
+        self._freed.discard(array.ctypes.data)
         self._allocs += 1
         return array
 
@@ -333,10 +335,13 @@ class SharedMemory:
         """Free ``alloc``'s ``array`` (collective: every rank releases its own, in the same order); the
         array must not be used after. Raises ValueError for an array ``alloc`` did not return."""
         found = self._buffers.get(array.ctypes.data)
+        if found is None and array.ctypes.data in self._freed:
+            raise ValueError(f"{what} on rank {self.rank}: this array was freed already (by an earlier free_alloc)")
         if found is None or found[2] != array.nbytes:
             raise ValueError(f"{what} on rank {self.rank}: not an array from TorusComm.alloc (or a view of one)")
         self._barrier(what, "freeing a shared buffer")
         del self._buffers[array.ctypes.data]
+        self._freed.add(array.ctypes.data)
         array.flags.writeable = False  # a write into it (new gradients, an in-place call) is an error, not a crash
         found[0].Free()
 
