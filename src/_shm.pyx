@@ -167,6 +167,7 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
     cdef uint64_t cur, theirs
     cdef char* mine
     cdef char* acc
+    cdef char* slot
     cdef char* own
     for r in range(P):
         if counts[r] > maxc:
@@ -222,13 +223,11 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                                                               timeout, spin):
                     status, peer = STALLED_REDUCE, q
                     break
+                slot = <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0)
                 if stream:
-                    torus_copy_stream(o + (displs[q] + lo) * item,
-                                      <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0),
-                                      n * item)
+                    torus_copy_stream(o + (displs[q] + lo) * item, slot, n * item)
                 else:
-                    memcpy(o + (displs[q] + lo) * item,
-                           <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0), n * item)
+                    memcpy(o + (displs[q] + lo) * item, slot, n * item)
             if status:
                 break
         if stream:

@@ -88,8 +88,9 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
         return n, (n if collective == "allgather" else n.sum() - n)
 
     if nsteps:
-        t = t + b * piece(0)[1]
-        copied += piece(0)[1]
+        inbytes = piece(0)[1]
+        t = t + b * inbytes
+        copied += inbytes
     for i in range(nsteps):
         n, _ = piece(i)
         done = t  # this step's input is in: copied published
@@ -109,8 +110,9 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
             flags += 1
         t = ready.copy()
         if i + 1 < nsteps:  # the next step's copy in, while the peers finish reducing this one
-            t = t + b * piece(i + 1)[1]
-            copied += piece(i + 1)[1]
+            inbytes = piece(i + 1)[1]
+            t = t + b * inbytes
+            copied += inbytes
         if collective == "reduce_scatter":
             continue
         for k in range(P):  # copy out chunk rank + k on every rank
