@@ -139,6 +139,26 @@ def main() -> int:
         return _all_suites(args, Path(tmp))
 
 
+# Options of pytest's terminal plugin, which the ranks other than 0 run without (so that one rank reports):
+# given to them, pytest stops at its usage message and rank 0 waits for them forever.
+_TERMINAL_FLAGS = re.compile(r"-[qv]+|--(quiet|verbose|no-header|no-summary|showlocals)|-l")
+_TERMINAL_VALUED = ("--tb", "-r", "--durations", "--durations-min", "--color", "--code-highlight")
+
+
+def _without_terminal_options(args: list) -> list:
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif _TERMINAL_FLAGS.fullmatch(a):
+            continue
+        elif a in _TERMINAL_VALUED:
+            skip = True
+        elif not any(a.startswith(v + "=") or (v == "-r" and a.startswith("-r")) for v in _TERMINAL_VALUED):
+            kept.append(a)
+    return kept
+
+
 def _all_suites(args, tmp: Path) -> int:
     py = sys.executable
     mpiexec = shutil.which("mpiexec", path=str(Path(py).parent)) or shutil.which("mpiexec")
@@ -186,7 +206,7 @@ def _all_suites(args, tmp: Path) -> int:
         base = [py, "-m", "pytest", *(mpi_paths or ["tests/mpi"]), "-o", "timeout_method=thread", *common]
         cmd = [mpiexec, "-n", "1", *base, f"--junitxml={xml}"]
         if k > 1:
-            cmd += [":", "-n", str(k - 1), *base, "-p", "no:terminal"]
+            cmd += [":", "-n", str(k - 1), *_without_terminal_options(base), "-p", "no:terminal"]
         suite(f"mpiexec -n {k}", cmd, xml)
     if not paths and not args.no_cluster:
         _cluster_suites(py, env, totals, failures)

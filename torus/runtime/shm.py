@@ -22,10 +22,12 @@ number of steps per call; step ``s`` uses buffer ``s % 2``:
    dtype, op, counts, segment size: a mismatch is a MismatchError even with the argument check off);
 3. reduce our chunk's segment, ranks in the order ``rank, rank+1, ...``, our own part read straight from the
    input (never copied in), the peers' from their sub-slots, with the host kernels (src/loops.h; the first
-   two in one three-operand pass): all-reduce into our own sub-slot, then ``reduced = s`` (store-release);
-   reduce-scatter straight into the output; ``avg``'s scale fused into the last;
+   two in one three-operand pass; 16 KiB blocks at a time, every peer's pass over a block before the next
+   block): all-reduce into our own sub-slot, each block copied out into the output at once, then
+   ``reduced = s`` (store-release); reduce-scatter straight into the output; ``avg``'s scale fused into the
+   last;
 4. copy out (all-reduce: once that peer's ``reduced >= s``; all-gather: its copy-in is enough) every
-   rank's segment into the output.
+   other rank's segment into the output.
 
 A wait polls its flag ``SPIN_POLLS`` times, when every rank has a core of its own, then sleeps on it (a
 futex the flag's writer wakes, src/shm_flags.h); with more ranks than cores it sleeps at once (the rank
@@ -49,8 +51,11 @@ is bitwise identical. A wait that sees no progress for ``timeout`` s raises Time
 and the peer; after a stall or a mismatch the transport refuses further calls (its counters disagree).
 
 Cost per byte of an all-reduce on ``p`` ranks: one copy in of ``(p-1)/p`` of the buffer, the reduction's
-``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk from the sub-slot it was
-just reduced into, still in cache). Two flag round trips per step.
+``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk block by block from L1,
+as it is reduced). Two flag round trips per step. Where the time goes (2 ranks, 64 MiB in place, one core
+each): about two thirds in reading our own buffer from memory (the copy in and the reduction's own part),
+the rest in reading the peers' sub-slots from their cores' caches; the waits are 2% (bench/README.md,
+"Shared memory").
 
 Small all-reduces (up to ``WHOLE_MAX_BYTES``, within one slot) take one step instead (``run_whole``): every
 rank copies its whole input into its slot, waits for every peer's, and reduces every element itself from the
