@@ -52,11 +52,15 @@ cpdef enum:
     STALLED_REDUCE = 2
     MISMATCH = 3
     PEER_ERROR = 4
+    PEER_OTHER = 5
 
-# The header a rank writes instead of a signature when its own arguments failed their local check
-# (``announce_error``); signatures are 32-bit checksums, so it never equals one.
+# The headers a rank writes instead of a signature (``announce``) when its own arguments failed their local
+# check, and when it runs another algorithm than shm in this call with the argument check on; signatures are
+# 32-bit checksums, so neither ever equals one.
 cdef uint64_t _ERROR_SIG = 0xFFFFFFFFFFFFFFFFULL
+cdef uint64_t _OTHER_SIG = 0xFFFFFFFFFFFFFFFEULL
 ERROR_SIG = _ERROR_SIG
+OTHER_SIG = _OTHER_SIG
 
 
 # Longest single sleep of a wait: how often a sleeping rank looks at its deadline (a wake-up is never lost).
@@ -119,7 +123,7 @@ cdef inline int64_t _piece(int64_t count, int64_t lo, int64_t seg) noexcept nogi
 cdef int _join(const int64_t[::1] bases, int rank, int P, uint64_t cur, uint64_t sig, int64_t header_off,
                double timeout, int spin, int* peer) noexcept nogil:
     """Wait for every peer's ``copied >= cur`` and compare the signature in its header at ``header_off``:
-    DONE, or STALLED_COPY / PEER_ERROR / MISMATCH with ``peer[0]`` the first peer found so."""
+    DONE, or STALLED_COPY / PEER_ERROR / PEER_OTHER / MISMATCH with ``peer[0]`` the first peer found so."""
     cdef int k, q
     cdef uint64_t theirs
     for k in range(1, P):
@@ -130,7 +134,7 @@ cdef int _join(const int64_t[::1] bases, int rank, int P, uint64_t cur, uint64_t
         theirs = (<uint64_t*>(<char*>bases[q] + header_off))[0]
         if theirs != sig:
             peer[0] = q
-            return PEER_ERROR if theirs == _ERROR_SIG else MISMATCH
+            return PEER_ERROR if theirs == _ERROR_SIG else PEER_OTHER if theirs == _OTHER_SIG else MISMATCH
     return DONE
 
 
@@ -285,12 +289,13 @@ def run_whole(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.
     return status, 0, peer, 1
 
 
-def announce_error(int64_t base, int64_t slot_bytes, uint64_t seq):
-    """Tell the peers, at step ``seq + 1``, that this rank rejected its own arguments: ERROR_SIG in that
-    step's header, then the copied flag (release). The buffer is free for the reason ``run`` gives."""
+def announce(int64_t base, int64_t slot_bytes, uint64_t seq, uint64_t sig):
+    """Tell the peers, at step ``seq + 1``, ``sig`` (ERROR_SIG: this rank rejected its own arguments;
+    OTHER_SIG: it runs another algorithm): in that step's header, then the copied flag (release). The buffer
+    is free for the reason ``run`` gives."""
     cdef uint64_t cur = seq + 1
     cdef char* region = <char*>base
-    (<uint64_t*>(region + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0] = _ERROR_SIG
+    (<uint64_t*>(region + FLAG_AREA + <int64_t>(cur & 1) * (HEADER + slot_bytes)))[0] = sig
     torus_flag_store(<uint64_t*>(region + COPIED), cur)
 
 

@@ -164,10 +164,13 @@ class TorusComm:
         # window is open the separate all-gather is skipped (what that misses: torus/agreement.py).
         agreement.finish(self._announcements, self.rank, self._executor.timeout, spec.name)
         if self.check and not (algo == "shm" and self._shm.is_open):
+            # Peers that run this call over shared memory learn of another algorithm here at once.
+            other = algo != "shm" and self._shm.announce_other()
             try:
                 agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, mine)
             except agreement.PeerRejected:
-                self._shm.skip_step(True, "")  # that rank spent a shared-memory step on its report
+                if not other:  # that rank spent a shared-memory step on its report (so did we, announcing)
+                    self._shm.skip_step(True, "")
                 raise
         kind = p.memory
         direct = self._direct.get(algo)

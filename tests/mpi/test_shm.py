@@ -169,6 +169,29 @@ def test_a_mismatch_once_the_window_is_open_names_the_argument_and_leaves_it_usa
     assert_same_on_all_ranks(out, "after the mismatch")
 
 
+@pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")
+@pytest.mark.parametrize("other", ["ring", "native"])
+def test_a_rank_on_another_algorithm_is_a_mismatch_not_a_stall(other, rng):
+    """Window open, check on: the last rank runs ``other`` while the rest run shm. Its header says so, so
+    every rank raises MismatchError naming the algorithms at once (well inside the 20 s stall timeout, which
+    would be a TimeoutError), twice in a row; then shm and ``other`` calls both still match numpy."""
+    tc = torus.TorusComm(timeout=20)
+    try:
+        tc.allreduce(np.ones(8, np.float32), algorithm="shm")  # the window is open from here on
+        for n in (100, 70_000):
+            algo = other if RANK == LAST else "shm"
+            with pytest.raises(torus.MismatchError, match=f"on rank {RANK}: ranks disagree on algorithm "
+                                                          f".*rank {LAST} has {other}"):
+                tc.allreduce(np.ones(n, np.float32), algorithm=algo)
+        for algo in ("shm", other, "shm"):
+            x = make(rng, np.float64, "sum", 5000)
+            out = tc.allreduce(x, algorithm=algo)
+            assert_matches(out, *expected(x, "sum"), f"allreduce({algo}) after the mismatch")
+            assert_same_on_all_ranks(out, f"allreduce({algo}) after the mismatch")
+    finally:
+        tc.Free()
+
+
 def test_a_freed_alloc_buffer_is_refused_not_a_crash():
     tc, algo = torus_comm("shm")
     a = tc.alloc(1000, np.float32)

@@ -38,8 +38,11 @@ every step carries the signature. What that catches: another collective, dtype, 
 segment size (MismatchError on the ranks that see it, at the first step); a rank that rejected its own
 arguments (``announce_error``: its header says so, the others raise agreement.PeerRejected naming it and,
 with the check on, complete the all-gather it posted; that step is spent on every rank so the counters stay
-equal). What it misses against the all-gather: a rank that runs another algorithm (ring, native) while the
-others run shm is a TimeoutError after ``timeout`` s, not a MismatchError; the grid (irrelevant to shm).
+equal); a rank that runs another algorithm (ring, native: ``announce_other``, its header says so; the
+others fail at their first step, and all of them meet in the all-gather, which names the algorithms). What
+it misses against the all-gather: with the check off, that last case is a TimeoutError after ``timeout``
+s on every rank (an announcement then would race with a slow peer's read of the header); the grid
+(irrelevant to shm).
 
 Why no barrier between calls: before a rank writes buffer ``s % 2`` for step ``s`` (during step ``s - 1``)
 it has waited, in step ``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its
@@ -203,8 +206,22 @@ class SharedMemory:
         further calls instead."""
         if self._win is None or self._broken:
             return
-        _shm.announce_error(int(self._bases[self.rank]), self.slot_bytes, self._seq)
+        _shm.announce(int(self._bases[self.rank]), self.slot_bytes, self._seq, _shm.ERROR_SIG)
         self.skip_step(check, "this rank rejected its own arguments")
+
+    def announce_other(self) -> bool:
+        """This rank runs another algorithm than shm in a call with the argument check on: its header at the
+        next step says so, so that peers running this call over shared memory fail at once (StepMismatch,
+        then the argument all-gather, which this rank runs too, names the algorithms) instead of waiting out
+        the stall timeout. Every rank then spends that step: this one here, those running shm at their
+        first step's join, those running another algorithm here too. Returns whether it did (the window is
+        open). Safe only with the check on: its all-gather keeps any rank from announcing again before every
+        peer has finished reading this header buffer's previous use."""
+        if self._win is None or self._broken:
+            return False
+        _shm.announce(int(self._bases[self.rank]), self.slot_bytes, self._seq, _shm.OTHER_SIG)
+        self._seq += 1
+        return True
 
     def skip_step(self, check: bool, why: str) -> None:
         """A peer's argument error took the next step (the all-gather of its report, completed with ``check``
@@ -268,10 +285,13 @@ class SharedMemory:
             self.skip_step(check, f"rank {who} rejected its own arguments")
             raise agreement.PeerRejected(f"{what} on rank {me}: rank {who} rejected its own arguments "
                                          "to this call (see the error there)")
-        if status in (_shm.MISMATCH, _shm.PEER_ERROR):
+        if status in (_shm.MISMATCH, _shm.PEER_ERROR, _shm.PEER_OTHER):
             message = (f"{what} on rank {me}: rank {who} called a different collective, dtype, op or counts (or "
                        f"a buffer from another alloc) over shared memory at step {step + 1}/{nsteps}")
-            if step == 0 and status == _shm.MISMATCH:
+            if status == _shm.PEER_OTHER:
+                message = (f"{what} on rank {me}: rank {who} runs this call with another algorithm than shm "
+                           f"(step {step + 1}/{nsteps})")
+            if step == 0 and status in (_shm.MISMATCH, _shm.PEER_OTHER):
                 # Every rank fails at this step's join (each has a peer whose header differs from its own), and
                 # none has read a peer's data: spending the step on every rank keeps the counters equal.
                 self._seq += 1
