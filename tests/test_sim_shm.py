@@ -43,12 +43,12 @@ def test_replay_matches_closed_form(P, collective, cost):
 def test_a_case_by_hand():
     """2 ranks, 128 float32 (two chunks of 256 B), 256-byte slots (512 B is over one slot: no one-step path):
     2 steps of 128 B per chunk. Before the loop: copy in 128 B (0.128 us). Step 1: the peer's copied flag
-    (1 us), reduce 128 B (0.256 us), copy in step 2 (0.128 us) and our chunk out (0.128 us) while the peer's
-    reduced flag arrives (1 us), the peer's chunk out (0.128 us). Step 2: the same without the copy in:
-    1 + 0.256 + max(1, 0.128) + 0.128. Plus the call."""
+    (1 us), reduce 128 B (0.256 us) and copy our chunk out as it is reduced (0.128 us), then copy in step 2
+    (0.128 us) while the peer's reduced flag arrives (1 us), the peer's chunk out (0.128 us). Step 2: the
+    same without the copy in: 1 + 0.256 + 0.128 + max(1, 0) + 0.128. Plus the call."""
     cost = Cost(gamma=2e-9, copy_beta=1e-9, flag_alpha=1e-6, call_alpha=5e-6, segment_bytes=256)
     r = simulate("shm", "allreduce", Layout(1, 2, 2), 128, "float32", cost)
-    step = (1 + 0.256 + 1 + 0.128) * 1e-6
+    step = (1 + 0.256 + 0.128 + 1 + 0.128) * 1e-6
     assert r.time == pytest.approx(5e-6 + 0.128e-6 + 2 * step, rel=1e-12)
     assert (r.steps, r.msgs_max, r.sent_max, r.reduced_max) == (4, 4, 256, 256)
 

@@ -13,8 +13,9 @@ transport's default, ``SEGMENT_BYTES``); a reduction's step moves ``s = slot/P``
    the step, once the previous step's copy out is done;
 2. join: wait until every peer has published, plus ``flag_alpha`` (a flag store seen by another core);
 3. reduce the own piece from the ``P`` inputs: ``(P-1)·γ·n_r`` (γ per byte reduced, as ``reduce_into``; one
-   rank alone copies it instead, ``copy_beta·n_r``); all-reduce: publish ``reduced``;
-4. copy out, own chunk first, then ``r+1, r+2, ...``, each at ``copy_beta``; all-reduce: a peer's piece only
+   rank alone copies it instead, ``copy_beta·n_r``); all-reduce: copy it out (block by block as it is
+   reduced, ``copy_beta·n_r``), then publish ``reduced``;
+4. copy out the peers' pieces, ``r+1, r+2, ...``, each at ``copy_beta``; all-reduce: a peer's piece only
    once its ``reduced`` is seen (its time plus ``flag_alpha``); all-gather: the join sufficed; reduce-scatter
    copies nothing.
 
@@ -25,9 +26,9 @@ A call also pays ``call_alpha`` once (TorusComm's Python work around the step lo
 per-rank clocks over every step (any count: uneven chunks, empty pieces skip their reduction and their wait);
 ``closed_form`` is the symmetric case (``P`` divides the count, every chunk a whole number ``S`` of steps):
 
-- all-reduce: ``call + (P-1)·b·s + S·(a + (P-1)·γ·s + (P-1)·b·s) + (S-1)·max(a, P·b·s) + max(a, b·s)``,
-  ``s = slot/P``: after its reduction a rank copies in the next step and its own chunk out while the peers'
-  ``reduced`` arrive, hence the ``max``es (the last step has no next copy in);
+- all-reduce: ``call + (P-1)·b·s + S·(a + (P-1)·γ·s + P·b·s) + (S-1)·max(a, (P-1)·b·s) + a``,
+  ``s = slot/P``: after its reduction and own copy out a rank copies in the next step while the peers'
+  ``reduced`` arrive, hence the ``max`` (the last step has no next copy in: it waits the whole ``a``);
 - reduce-scatter: ``call + S·(a + (P-1)·(b + γ)·s)``;
 - all-gather: ``call + S·(a + P·b·s)`` with ``s = slot``;
 
@@ -105,6 +106,8 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
             ready = join
         else:
             ready = join + np.where(n > 0, (P - 1) * g * n if P > 1 else b * n, 0.0)
+            if collective == "allreduce":  # our own piece goes out as it is reduced, before ``reduced``
+                ready = ready + b * n
             reduced += np.where(n > 0, (P - 1) * n, 0)
         if collective == "allreduce":
             flags += 1
@@ -117,7 +120,7 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
             continue
         for k in range(P):  # copy out chunk rank + k on every rank
             q = (ranks + k) % P
-            take = (n[q] > 0) & (k > 0 or collective != "allgather")
+            take = (n[q] > 0) & (k > 0)
             if collective == "allreduce" and k > 0:
                 t = np.where(take, np.maximum(t, ready[q] + a), t)
             t = t + np.where(take, b * n[q], 0.0)
@@ -139,5 +142,4 @@ def closed_form(collective: str, M: float, P: int, cost: Cost) -> float:
         return call + S * (a + (P - 1) * (b + g) * s)
     if M <= min(WHOLE_MAX_BYTES, slot):
         return call + b * M + a + (P - 1) * g * M
-    return (call + (P - 1) * b * s + S * (a + (P - 1) * g * s + (P - 1) * b * s) + (S - 1) * max(a, P * b * s)
-            + max(a, b * s))
+    return call + (P - 1) * b * s + S * (a + (P - 1) * g * s + P * b * s) + (S - 1) * max(a, (P - 1) * b * s) + a
