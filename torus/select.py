@@ -40,10 +40,11 @@ TABLE = (
 # at 4 (two per core) shm led at every size from 64 KiB to 256 MiB, and at 6 (three per core) it took about
 # half the time of torus2d and MPICH from 64 KiB to 64 MiB (bench/README.md, "Shared memory"). At 4 ranks it
 # used to fall far behind under load above 1 MiB, when its waits yielded the core; they sleep on a futex now
-# (src/shm_flags.h). More than 6 ranks, and ranks with a core each beyond 2, were not measured. Never across
-# nodes.
+# (src/shm_flags.h). At 8 (four per core) it took 0.38-0.82x the best of ring, torus2d and MPICH from 64 KiB
+# to 64 MiB (bench/results/shm_p8.txt). More than 8 ranks, and ranks with a core each beyond 2, were not
+# measured. Never across nodes.
 ONE_NODE_TABLE = (
-    (6, None, None, "shm"),
+    (8, None, None, "shm"),
 )
 
 
