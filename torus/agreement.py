@@ -33,7 +33,9 @@ from torus.errors import MismatchError
 from torus.ops import DTYPE_CODE, OPS
 from torus.select import ALGORITHMS
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+# The calls a signature row can name (alloc and free_alloc agree in the same row layout, torus/runtime/shm.py,
+# so that a rank in another call's argument check sees the difference as one in "collective").
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "alloc", "free_alloc")
 SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts",
              "shm phases", "argument error")
 _ERROR = len(SIGNATURE) - 1  # the field that says "this rank rejected its own arguments"
@@ -126,18 +128,26 @@ def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.nd
         whose = "its" if failed.size == 1 else "their"
         raise PeerRejected(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
                             f"{whose} own arguments to this call (see the error there); no data was moved")
-    bad = np.nonzero((every != every[0]).any(axis=0))[0]
-    if bad.size == 0:
-        return
     dtypes = [str(d) for d in DTYPE_CODE]
     decode = {0: COLLECTIVES.__getitem__, 1: OPS.__getitem__, 2: dtypes.__getitem__,
               4: ALGORITHMS.__getitem__, 6: lambda x: f"{x}x{size // x}", 7: lambda c: f"crc32 {c:08x}"}
+    parts = disagreements(every, {f: (name, decode.get(f, str)) for f, name in enumerate(SIGNATURE)})
+    if parts:
+        raise MismatchError(f"{what}({algo}) on rank {rank}: ranks disagree on " + ", ".join(parts))
+
+
+def disagreements(every: np.ndarray, fields: dict) -> list:
+    """``"name (rank 0 has x; ranks 1-2 have y)"`` for each column ``f`` of ``every`` (one row per rank) in
+    ``fields`` (``f -> (name, decode)``, ``decode`` turning a value into its text) where the ranks differ."""
     parts = []
-    for f in bad:
+    for f in np.nonzero((every != every[0]).any(axis=0))[0]:
+        if int(f) not in fields:
+            continue
+        name, decode = fields[int(f)]
         groups: dict = {}
         for r, v in enumerate(every[:, f]):
             groups.setdefault(int(v), []).append(r)
-        shown = "; ".join(f"{ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {decode.get(int(f), str)(v)}"
+        shown = "; ".join(f"{ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {decode(v)}"
                           for v, rs in groups.items())
-        parts.append(f"{SIGNATURE[f]} ({shown})")
-    raise MismatchError(f"{what}({algo}) on rank {rank}: ranks disagree on " + ", ".join(parts))
+        parts.append(f"{name} ({shown})")
+    return parts

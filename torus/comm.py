@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import agreement, buffers, kernels, link, options
+from torus.errors import TorusError
 from torus.runtime import memory
 from torus.runtime.executor import Executor
 from torus.runtime.shm import SharedMemory, StepMismatch
@@ -132,6 +133,7 @@ class TorusComm:
         self._shapes = Shapes(t, self.segment_bytes, self.auto_choice, bool(self._node_shm))
         self._agreeing = False
         self._announcements: list = []  # error reports posted and not yet completed (agreement.py)
+        self._released = False  # Free was called
 
     def auto_choice(self, collective: str, nbytes: int, in_place: bool = False) -> str:
         """What ``algorithm="auto"`` runs for ``collective`` on ``nbytes`` bytes (torus/select.py), before the
@@ -157,6 +159,7 @@ class TorusComm:
 
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
         """Resolve, choose, agree and run one call; returns what the collective returns."""
+        self._usable(spec.name)
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)
         algo, phased, mine, pre, scale = self._shapes.get(spec.name, algorithm, op, p)
         self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
@@ -260,12 +263,19 @@ class TorusComm:
         (a slice, out of place, reduce-scatter) takes the ordinary path.
 
         Raises ValueError when the ranks span several nodes or ``count`` is negative, TypeError for a dtype
-        torus does not reduce, MemoryError (on every rank) when the node's /dev/shm cannot hold it."""
+        torus does not reduce, MemoryError (on every rank) when the node's /dev/shm cannot hold it,
+        MismatchError (every rank) when ranks pass another count or dtype, TimeoutError when some rank does
+        not call it within the stall timeout."""
+        self._usable("alloc")
         return self._shm.alloc("alloc", count, dtype, self.topology.nodes)
 
     def free_alloc(self, array: np.ndarray) -> None:
         """Release an array from :meth:`alloc` (collective, as ``alloc``: every rank its own array, in the same
-        order); using it afterwards is undefined. Raises ValueError for any other array (a view included)."""
+        order); writes to it afterwards are a ValueError (it is made read-only), reads undefined. Raises
+        ValueError for any other array (a view included) or one freed already, MismatchError (every rank,
+        nothing freed) when ranks free different buffers (another order), TimeoutError when some rank does
+        not call it within the stall timeout."""
+        self._usable("free_alloc")
         self._shm.release("free_alloc", array)
 
     def free_buffers(self) -> None:
@@ -273,8 +283,15 @@ class TorusComm:
         what it needs again. Local: ranks need not call it together."""
         self._executor.free()
 
+    def _usable(self, what: str) -> None:
+        if self._released:
+            raise TorusError(f"{what} on rank {self.rank}: this TorusComm was freed (TorusComm.Free)")
+
     def Free(self) -> None:
-        """Release the duplicated communicators (collective)."""
+        """Release the duplicated communicators (collective); any later call on this TorusComm is a
+        TorusError."""
+        self._usable("Free")
+        self._released = True
         agreement.finish(self._announcements, self.rank, self._executor.timeout, "Free")
         self._shm.free()
         for transport in self._node_shm.values():

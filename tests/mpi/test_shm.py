@@ -313,6 +313,37 @@ def test_an_alloc_buffer_against_an_ordinary_one_is_a_mismatch():
     tc.Free()
 
 
+@pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")
+def test_alloc_and_free_alloc_that_disagree_are_a_mismatch_not_a_hang(alloc_comm, rng):
+    """alloc with another count or dtype on the last rank, and two buffers freed in another order there:
+    MismatchError on every rank naming what differs, well inside the stall timeout (before: a hang that the
+    timeout did not end, or arrays of different sizes); nothing is allocated or freed, so the same buffers
+    then free in the same order and reduce right."""
+    tc = alloc_comm
+    for count, dtype, field in ((100 + (RANK == LAST), np.float32, f"count .*rank {LAST} has 101"),
+                                (100, np.float64 if RANK == LAST else np.float32, f"dtype .*rank {LAST} has float64")):
+        with pytest.raises(torus.MismatchError, match=f"alloc on rank {RANK}: ranks disagree on {field}"):
+            tc.alloc(count, dtype)
+    a, b = tc.alloc(30, np.float64), tc.alloc(30, np.float64)
+    with pytest.raises(torus.MismatchError, match=f"free_alloc on rank {RANK}: ranks disagree on which buffer"):
+        tc.free_alloc(b if RANK == LAST else a)
+    x = make(rng, np.float64, "sum", 30)
+    b[:] = x
+    tc.allreduce(torus.IN_PLACE, b, algorithm="shm")
+    assert_matches(b, *expected(x, "sum"), "allreduce(shm) of an alloc buffer after the mismatched free")
+    tc.free_alloc(a)
+    tc.free_alloc(b)
+
+
+def test_a_freed_torus_comm_refuses_calls():
+    tc = torus.TorusComm(timeout=30)
+    tc.allreduce(np.ones(4), algorithm="shm")
+    tc.Free()
+    for call in (lambda: tc.allreduce(np.ones(4)), lambda: tc.alloc(4), tc.Free):
+        with pytest.raises(torus.TorusError, match=f"on rank {RANK}: this TorusComm was freed"):
+            call()
+
+
 @pytest.mark.skipif(SIZE < 2, reason="one rank per node needs two ranks")
 def test_alloc_is_refused_across_nodes():
     tc = torus.TorusComm(check=False, timeout=10, ranks_per_node=1)

@@ -87,8 +87,9 @@ from torus import agreement, faults, kernels
 from torus._ext import _reduce, _shm  # type: ignore[attr-defined]  # compiled, no stubs
 from torus.errors import MismatchError, TorusError
 from torus.errors import TimeoutError as TorusTimeout
-from torus.ops import DTYPES, OP_CODE, OPS
+from torus.ops import DTYPE_CODE, DTYPES, OP_CODE, OPS
 from torus.partition import chunks, displacements
+from torus.select import ALGORITHMS
 
 _MODE = {"allreduce": _shm.ALLREDUCE, "reduce_scatter": _shm.REDUCE_SCATTER, "allgather": _shm.ALLGATHER}
 _PAGE = 4096
@@ -319,10 +320,9 @@ class SharedMemory:
             raise ValueError(f"{what} on rank {self.rank}: shared memory needs every rank on one node; these "
                              f"{self.size} ranks are on {nodes} nodes")
         count = int(count)
+        self._agree(what, count, dtype, self._allocs)
         if self._win is None:
             self._open(what)
-        else:
-            self._barrier(what, "allocating a shared buffer")
         nbytes = count * dtype.itemsize
         self._check_room(what, max(-(-nbytes // _PAGE) * _PAGE, _PAGE))
         info = MPI.Info.Create()
@@ -364,11 +364,33 @@ class SharedMemory:
             raise ValueError(f"{what} on rank {self.rank}: this array was freed already (by an earlier free_alloc)")
         if found is None or found[2] != array.nbytes:
             raise ValueError(f"{what} on rank {self.rank}: not an array from TorusComm.alloc (or a view of one)")
-        self._barrier(what, "freeing a shared buffer")
+        self._agree(what, array.size, array.dtype, found[3])
         del self._buffers[array.ctypes.data]
         self._freed.add(array.ctypes.data)
         array.flags.writeable = False  # a write into it (new gradients, an in-place call) is an error, not a crash
         found[0].Free()
+
+    def _agree(self, what: str, count: int, dtype, index: int) -> None:
+        """Every rank makes this same ``alloc`` / ``free_alloc`` (``what``): of ``count`` elements of
+        ``dtype``, the ``index``-th buffer alloc made (alloc: the one it makes now). An all-gather bounded by
+        the stall timeout, in the row layout of agreement.SIGNATURE (a rank in another call's argument check
+        meanwhile sees "collective" differ, and so do we). Raises MismatchError on every rank naming what
+        differs (a free in another order: "which buffer"), TimeoutError when some rank never comes; before
+        any window call, so the buffers and the transport stay as they were."""
+        mine = np.zeros(len(agreement.SIGNATURE), np.int64)
+        mine[:5] = (agreement.COLLECTIVES.index(what), 0, DTYPE_CODE[np.dtype(dtype)], count,
+                    ALGORITHMS.index("shm"))
+        mine[7] = index  # the recvcounts column: no collective's checksum is compared with it
+        every = np.empty((self.size, mine.size), np.int64)
+        faults.wait(self.comm.Iallgather(mine, every), self.timeout, lambda: (
+            f"{what} on rank {self.members[self.rank]}: no progress for {self.timeout:g} s waiting for every "
+            f"rank's {what} (some rank never made this call, or made another); abort the job"))
+        dtypes = [str(d) for d in DTYPE_CODE]
+        parts = agreement.disagreements(every, {
+            0: ("the call", agreement.COLLECTIVES.__getitem__), 2: ("dtype", dtypes.__getitem__),
+            3: ("count", str), 7: ("which buffer", lambda i: f"the buffer of alloc call #{i + 1}")})
+        if parts:
+            raise MismatchError(f"{what} on rank {self.members[self.rank]}: ranks disagree on " + ", ".join(parts))
 
     def free(self) -> None:
         """Release the window and every ``alloc`` buffer (collective over the node's ranks, when set up)."""
