@@ -238,15 +238,14 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                          sig)
             if mode == REDUCE_SCATTER:
                 continue
-            # Copy out every rank's (reduced) chunk, starting with our own, then the next ranks, so that the
-            # ranks do not all read the same peer at once.
-            for k in range(P):
+            # Copy out every other rank's (reduced) chunk, the next ranks first, so that the ranks do not all
+            # read the same peer at once (our own chunk is in out already: all-reduce copied it out above).
+            for k in range(1, P):
                 q = (rank + k) % P
                 n = _piece(counts[q], lo, seg)
-                if n == 0 or q == rank:  # our chunk is in out already (all-reduce: copied out above)
+                if n == 0:
                     continue
-                if mode == ALLREDUCE and q != rank and _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur,
-                                                              timeout, spin):
+                if mode == ALLREDUCE and _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout, spin):
                     status, peer = STALLED_REDUCE, q
                     break
                 slot = <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0)

@@ -39,6 +39,7 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "alloc", "free_alloc"
 SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts",
              "shm phases", "argument error")
 _ERROR = len(SIGNATURE) - 1  # the field that says "this rank rejected its own arguments"
+DTYPE_NAMES = tuple(str(d) for d in DTYPE_CODE)  # a "dtype" field's value -> its name
 
 
 class PeerRejected(MismatchError):
@@ -128,8 +129,7 @@ def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.nd
         whose = "its" if failed.size == 1 else "their"
         raise PeerRejected(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
                             f"{whose} own arguments to this call (see the error there); no data was moved")
-    dtypes = [str(d) for d in DTYPE_CODE]
-    decode = {0: COLLECTIVES.__getitem__, 1: OPS.__getitem__, 2: dtypes.__getitem__,
+    decode = {0: COLLECTIVES.__getitem__, 1: OPS.__getitem__, 2: DTYPE_NAMES.__getitem__,
               4: ALGORITHMS.__getitem__, 6: lambda x: f"{x}x{size // x}", 7: lambda c: f"crc32 {c:08x}"}
     parts = disagreements(every, {f: (name, decode.get(f, str)) for f, name in enumerate(SIGNATURE)})
     if parts:

@@ -287,11 +287,10 @@ class SharedMemory:
             raise agreement.PeerRejected(f"{what} on rank {me}: rank {who} rejected its own arguments "
                                          "to this call (see the error there)")
         if status in (_shm.MISMATCH, _shm.PEER_ERROR, _shm.PEER_OTHER):
-            message = (f"{what} on rank {me}: rank {who} called a different collective, dtype, op or counts (or "
+            message = (f"{what} on rank {me}: rank {who} runs this call with another algorithm than shm (step "
+                       f"{step + 1}/{nsteps})" if status == _shm.PEER_OTHER else
+                       f"{what} on rank {me}: rank {who} called a different collective, dtype, op or counts (or "
                        f"a buffer from another alloc) over shared memory at step {step + 1}/{nsteps}")
-            if status == _shm.PEER_OTHER:
-                message = (f"{what} on rank {me}: rank {who} runs this call with another algorithm than shm "
-                           f"(step {step + 1}/{nsteps})")
             if step == 0 and status in (_shm.MISMATCH, _shm.PEER_OTHER):
                 # Every rank fails at this step's join (each has a peer whose header differs from its own), and
                 # none has read a peer's data: spending the step on every rank keeps the counters equal.
@@ -380,14 +379,13 @@ class SharedMemory:
         mine = np.zeros(len(agreement.SIGNATURE), np.int64)
         mine[:5] = (agreement.COLLECTIVES.index(what), 0, DTYPE_CODE[np.dtype(dtype)], count,
                     ALGORITHMS.index("shm"))
-        mine[7] = index  # the recvcounts column: no collective's checksum is compared with it
+        mine[7] = index  # in the recvcounts column (a peer in a collective's check sees it differ there too)
         every = np.empty((self.size, mine.size), np.int64)
         faults.wait(self.comm.Iallgather(mine, every), self.timeout, lambda: (
             f"{what} on rank {self.members[self.rank]}: no progress for {self.timeout:g} s waiting for every "
             f"rank's {what} (some rank never made this call, or made another); abort the job"))
-        dtypes = [str(d) for d in DTYPE_CODE]
         parts = agreement.disagreements(every, {
-            0: ("the call", agreement.COLLECTIVES.__getitem__), 2: ("dtype", dtypes.__getitem__),
+            0: ("the call", agreement.COLLECTIVES.__getitem__), 2: ("dtype", agreement.DTYPE_NAMES.__getitem__),
             3: ("count", str), 7: ("which buffer", lambda i: f"the buffer of alloc call #{i + 1}")})
         if parts:
             raise MismatchError(f"{what} on rank {self.members[self.rank]}: ranks disagree on " + ", ".join(parts))

@@ -118,10 +118,10 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
             copied += inbytes
         if collective == "reduce_scatter":
             continue
-        for k in range(P):  # copy out chunk rank + k on every rank
+        for k in range(1, P):  # copy out chunk rank + k on every rank (our own is out already)
             q = (ranks + k) % P
-            take = (n[q] > 0) & (k > 0)
-            if collective == "allreduce" and k > 0:
+            take = n[q] > 0
+            if collective == "allreduce":
                 t = np.where(take, np.maximum(t, ready[q] + a), t)
             t = t + np.where(take, b * n[q], 0.0)
     steps = nsteps * (2 if collective == "allreduce" else 1)
