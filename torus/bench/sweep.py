@@ -122,9 +122,10 @@ class _Case:
     ``full`` holds all ``count`` elements (the all-reduce input, the reduce-scatter input, the all-gather
     output); ``work`` is the second buffer of the same size (all-reduce output; the in-place buffer of
     reduce-scatter); ``block`` is this rank's ``count / ranks`` elements (reduce-scatter output, all-gather
-    input)."""
+    input). ``alloc``: ``work`` comes from ``TorusComm.alloc`` (an all-reduce's output, in place its buffer:
+    the Keras path's fused gradient buffer); :meth:`close` frees it (collective)."""
 
-    def __init__(self, tc, collective: str, count: int, dtype: np.dtype, op: str):
+    def __init__(self, tc, collective: str, count: int, dtype: np.dtype, op: str, alloc: bool = False):
         self.tc, self.collective, self.op = tc, collective, op
         self.count, self.ranks, self.rank = count, tc.size, tc.rank
         self.block_count = count // tc.size
@@ -133,7 +134,8 @@ class _Case:
         self.reduced = _expected_period(op, self.ranks, dtype)
         self.tolerance = 2 * float(ml_dtypes.finfo(dtype).eps) if op == "avg" else 0.0
         self.full = np.empty(count, dtype)
-        self.work = np.empty(count, dtype)
+        self.alloc = alloc and collective == "allreduce"
+        self.work = tc.alloc(count, dtype) if self.alloc else np.empty(count, dtype)
         self.block = np.empty(self.block_count if collective != "allreduce" else 0, dtype)
         self.reset()
 
@@ -151,6 +153,10 @@ class _Case:
             self.work.fill(0)
             fill(self.work[self.lo:self.lo + self.block_count], self.mine, self.lo)
             self.full.fill(0)
+
+    def close(self) -> None:
+        if self.alloc:
+            self.tc.free_alloc(self.work)
 
     def call(self, placement: str, algorithm: str):
         """Run the collective once; returns the result array to check."""
@@ -216,7 +222,7 @@ def _stats(seconds: np.ndarray, size: int, factor: float, wrong) -> dict:
 
 
 def sweep(tc, collective: str, sizes, algorithms, *, dtype, op: str = "sum", iters: int = 20,
-          warmup: int = 5, check: bool = True):
+          warmup: int = 5, check: bool = True, alloc: bool = False):
     """Benchmark ``collective`` on TorusComm ``tc`` for each size and algorithm; collective over ``tc``.
 
     sizes: bytes, already rounded with ``moved_sizes``. Yields one dict per (size, algorithm), the same on
@@ -227,12 +233,14 @@ def sweep(tc, collective: str, sizes, algorithms, *, dtype, op: str = "sum", ite
     elements that differ from the closed-form result, summed over ranks, from one untimed call on freshly
     filled inputs (None when ``check`` is off). Buffers are allocated and filled once per size. The timed
     iterations of all (algorithm, placement) pairs of one size are interleaved (see ``time_iterations``).
+    ``alloc``: the all-reduce output (in place: its buffer) comes from ``TorusComm.alloc`` (every rank on
+    one node; ValueError otherwise), freed after each size.
     """
     dtype = np.dtype(dtype)
     factor = bus_factor(collective, tc.size)
     for size in sizes:
         count = size // dtype.itemsize
-        case = _Case(tc, collective, count, dtype, op)
+        case = _Case(tc, collective, count, dtype, op, alloc)
         pairs = [(algorithm, placement) for algorithm in algorithms for placement in PLACEMENTS]
         wrong: dict = {}
         for algorithm, placement in pairs:
@@ -242,6 +250,7 @@ def sweep(tc, collective: str, sizes, algorithms, *, dtype, op: str = "sum", ite
                 wrong[algorithm, placement] = tc.comm.allreduce(
                     case.wrong(case.call(placement, algorithm)), op=MPI.SUM)
         seconds = time_iterations(tc.comm, [lambda a=a, p=p: case.call(p, a) for a, p in pairs], iters, warmup)
+        case.close()
         for algorithm in algorithms:
             resolved = algorithm
             if algorithm == "auto":  # the pick may differ by placement: "out-of-place/in-place" then
