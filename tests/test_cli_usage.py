@@ -71,6 +71,7 @@ def test_train_help_prints_once(no_tensorflow):
     (["allreduce", "--algo", "ring,banana"], "unknown algorithm(s) banana"),
     (["allreduce", "-e", "64Q"], "size '64Q'"),
     (["allreduce", "-d", "int32", "-o", "avg"], "-o avg is not defined for int32"),
+    (["allgather", "--alloc"], "--alloc is for allreduce"),
 ])
 def test_bench_usage_error_is_one_line(args, expected):
     proc = _job("torus.bench.cli", *args)

@@ -271,7 +271,8 @@ class TorusComm:
 
     def free_alloc(self, array: np.ndarray) -> None:
         """Release an array from :meth:`alloc` (collective, as ``alloc``: every rank its own array, in the same
-        order); writes to it afterwards are a ValueError (it is made read-only), reads undefined. Raises
+        order); writes to it afterwards are a ValueError (it is made read-only; a write through a view made
+        before is a crash), reads see zeros (one rank alone: the last values). Raises
         ValueError for any other array (a view included) or one freed already, MismatchError (every rank,
         nothing freed) when ranks free different buffers (another order), TimeoutError when some rank does
         not call it within the stall timeout."""

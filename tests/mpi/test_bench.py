@@ -97,6 +97,20 @@ def test_sweep_dtypes_and_ops(tc, collective, dtype, op):
     _check_rows(rows, collective, sizes, ["torus2d", "native"], tc.size, 1)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_sweep_on_alloc_buffers(tc, dtype):
+    """``alloc``: every algorithm's all-reduce into TorusComm.alloc buffers (in place: the window path)
+    matches the closed form, and every buffer is freed after its size."""
+    if tc.topology.nodes > 1:
+        pytest.skip("alloc needs every rank on one node")
+    dtype = np.dtype(dtype)
+    sizes = moved_sizes("allreduce", [0, 8, 1003 * dtype.itemsize, 100 << 10], dtype.itemsize, tc.size)
+    algos = ["auto", "shm", "ring", "native"]
+    rows = list(sweep(tc, "allreduce", sizes, algos, dtype=dtype, op="sum", iters=1, warmup=0, alloc=True))
+    _check_rows(rows, "allreduce", sizes, algos, tc.size, 1)
+    assert not tc._shm._buffers, "every alloc buffer freed"
+
+
 class _Corrupting:
     """A TorusComm whose all-reduce result is off by one at element 0 on every rank."""
 

@@ -193,17 +193,30 @@ def test_a_rank_on_another_algorithm_is_a_mismatch_not_a_stall(other, rng):
 
 
 def test_a_freed_alloc_buffer_is_refused_not_a_crash():
-    tc, algo = torus_comm("shm")
+    """After free_alloc (and for a buffer still allocated, after TorusComm.Free) a call or a write is an
+    error, and a read, of the array or of a view made before, sees zeros (one rank: its last values)
+    instead of a SIGSEGV."""
+    tc, algo = torus.TorusComm(timeout=60), "shm"
     a = tc.alloc(1000, np.float32)
-    a[:] = RANK
+    kept = tc.alloc(70_000, np.float64)
+    a[:] = RANK + 1
+    kept[:] = RANK + 1
+    view = a[10:]
     tc.allreduce(torus.IN_PLACE, a, algorithm=algo)
+    assert a[0] == SIZE * (SIZE + 1) / 2
     tc.free_alloc(a)
+    # Zeros where the ranks shared pages; one rank's buffer is its own memory, which keeps its values.
+    left = a[0] if SIZE == 1 else 0
+    assert (a == left).all() and (view == left).all(), "a freed buffer reads safely"
     with pytest.raises(ValueError, match=f"on rank {RANK}: recvbuf \\(in place\\) is read-only"):
         tc.allreduce(torus.IN_PLACE, a, algorithm=algo)
     with pytest.raises(ValueError, match="read-only"):
         a[:] = 1
     with pytest.raises(ValueError, match=f"free_alloc on rank {RANK}: this array was freed already"):
         tc.free_alloc(a)
+    tc.Free()
+    assert (kept == (RANK + 1 if SIZE == 1 else 0)).all(), "an alloc buffer left at Free reads safely"
+    assert not kept.flags.writeable
 
 
 @pytest.mark.skipif(SIZE < 2, reason="one rank per node needs two ranks")

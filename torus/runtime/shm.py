@@ -77,7 +77,9 @@ buffer (they take the ordinary path).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import weakref
 import zlib
 
 import numpy as np
@@ -116,6 +118,31 @@ SHM_HEADROOM_BYTES = 16 << 20
 WHOLE_MAX_BYTES = int(os.environ.get("TORUS_SHM_WHOLE_BYTES", 16 << 10))
 # Outputs from this size (out of place) are copied out with non-temporal stores (src/shm_copy.h).
 STREAM_MIN_BYTES = int(os.environ.get("TORUS_SHM_STREAM_BYTES", 128 << 20))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_PROT_READ, _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED_NOREPLACE = 0x1, 0x02, 0x20, 0x100000
+
+
+def _cover(array: np.ndarray, nbytes: int) -> None:
+    """After its window is freed, map empty read-only pages where ``array``'s ``nbytes`` (whole pages) were,
+    for as long as the array lives: a read of a freed alloc buffer then sees zeros instead of ending the
+    process with SIGSEGV (a write through a view made before free still faults). Only where the range is
+    free again (Linux's MAP_FIXED_NOREPLACE: never over another mapping, such as one a thread made
+    meanwhile); otherwise, or off Linux, the range is left as MPI left it."""
+    address = array.__array_interface__["data"][0]
+    if address % _PAGE or not nbytes:
+        return
+    got = _libc.mmap(address, nbytes, _PROT_READ, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0)
+    if got is None or got == ctypes.c_void_p(-1).value:
+        return
+    if got != address:  # a kernel without MAP_FIXED_NOREPLACE took it as a hint and mapped elsewhere
+        _libc.munmap(got, nbytes)
+        return
+    weakref.finalize(array, _libc.munmap, address, nbytes)
 
 
 class StepMismatch(MismatchError):
@@ -323,6 +350,19 @@ class SharedMemory:
         if self._win is None:
             self._open(what)
         nbytes = count * dtype.itemsize
+        if self.size == 1:  # nobody to share with: numpy's own memory, valid as long as the array lives
+            win, array = None, np.empty(count, dtype)
+            data = np.array([array.ctypes.data], np.int64)
+        else:
+            win, data, array = self._window(what, nbytes, count, dtype)
+        self._buffers[array.ctypes.data] = (win, data, nbytes, self._allocs, weakref.ref(array))
+        self._freed.discard(array.ctypes.data)
+        self._allocs += 1
+        return array
+
+    def _window(self, what: str, nbytes: int, count: int, dtype) -> tuple:
+        """A shared window of ``nbytes`` per rank (whole pages, each rank's its own): (window, every rank's
+        address, this rank's part as ``count`` elements of ``dtype``)."""
         self._check_room(what, max(-(-nbytes // _PAGE) * _PAGE, _PAGE))
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")
@@ -331,11 +371,7 @@ class SharedMemory:
         finally:
             info.Free()
         data = np.array([win.Shared_query(q)[0].address for q in range(self.size)], np.int64)
-        array = np.frombuffer(win.tomemory(), dtype, count)  # type: ignore[call-overload]  # mpi4py buffer
-        self._buffers[array.ctypes.data] = (win, data, nbytes, self._allocs)
-        self._freed.discard(array.ctypes.data)
-        self._allocs += 1
-        return array
+        return win, data, np.frombuffer(win.tomemory(), dtype, count)  # type: ignore[call-overload]
 
     def _check_room(self, what: str, part: int) -> None:
         """Refuse (MemoryError on every rank, collective) a window of ``part`` bytes per rank that the node's
@@ -366,8 +402,19 @@ class SharedMemory:
         self._agree(what, array.size, array.dtype, found[3])
         del self._buffers[array.ctypes.data]
         self._freed.add(array.ctypes.data)
-        array.flags.writeable = False  # a write into it (new gradients, an in-place call) is an error, not a crash
-        found[0].Free()
+        self._free_window(found)
+
+    @staticmethod
+    def _free_window(found: tuple) -> None:
+        win, _, nbytes, _, ref = found
+        array = ref()
+        if array is not None:
+            array.flags.writeable = False  # a write into it (new gradients, an in-place call) is an error, not a crash
+        if win is None:
+            return
+        win.Free()
+        if array is not None:
+            _cover(array, max(-(-nbytes // _PAGE) * _PAGE, _PAGE))
 
     def _agree(self, what: str, count: int, dtype, index: int) -> None:
         """Every rank makes this same ``alloc`` / ``free_alloc`` (``what``): of ``count`` elements of
@@ -392,8 +439,8 @@ class SharedMemory:
 
     def free(self) -> None:
         """Release the window and every ``alloc`` buffer (collective over the node's ranks, when set up)."""
-        for win, *_ in self._buffers.values():
-            win.Free()
+        for found in self._buffers.values():
+            self._free_window(found)
         self._buffers.clear()
         if self._win is not None:
             self._win.Free()
