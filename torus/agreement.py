@@ -1,7 +1,8 @@
 """The per-call argument check across ranks: every rank all-gathers a small signature of its call
 (collective, op, dtype, count, algorithm, segment size, grid, a checksum of recvcounts, whether the
 node-level phases run over shared memory) and all raise the same
-``MismatchError`` when any differ, instead of hanging or summing garbage.
+``MismatchError`` when any differ, instead of hanging or summing garbage (recvcounts that differ are then
+all-gathered too, to name them).
 
 Cost: one 10 x int64 ``MPI_Iallgather`` per call, waited for with the stall timeout (so a rank that never calls
 turns into ``TimeoutError`` before the first data message); about one small-collective latency
@@ -38,6 +39,7 @@ from torus.select import ALGORITHMS
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "alloc", "free_alloc")
 SIGNATURE = ("collective", "op", "dtype", "count", "algorithm", "segment_bytes", "grid", "recvcounts",
              "shm phases", "argument error")
+_COUNTS = SIGNATURE.index("recvcounts")  # a crc32 of them: named by a second all-gather when they differ
 _ERROR = len(SIGNATURE) - 1  # the field that says "this rank rejected its own arguments"
 DTYPE_NAMES = tuple(str(d) for d in DTYPE_CODE)  # a "dtype" field's value -> its name
 
@@ -114,9 +116,12 @@ def signature(what: str, algo: str, op: str, dt, count: int, recvcounts, segment
                      segment_bytes, X, crc, int(phased), 0], np.int64)
 
 
-def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.ndarray) -> None:
+def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.ndarray, recvcounts=None) -> None:
     """All-gather this call's signature ``mine``; raise MismatchError (the same on every rank) if any rank
-    differs or rejected its own arguments, TimeoutError when some rank never joins within ``timeout`` s."""
+    differs or rejected its own arguments, TimeoutError when some rank never joins within ``timeout`` s.
+    ``recvcounts``: this call's per-rank blocks (``size`` counts; None for an all-reduce): when ranks in the
+    same collective differ there (the signature holds only a crc32), a second all-gather, on that failing
+    path only, collects them to name them."""
     every = np.empty((size, mine.size), np.int64)
     faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
         f"{what}({algo}) on rank {rank}: no progress for {timeout:g} s in the argument check (the all-gather "
@@ -130,10 +135,29 @@ def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.nd
         raise PeerRejected(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
                             f"{whose} own arguments to this call (see the error there); no data was moved")
     decode = {0: COLLECTIVES.__getitem__, 1: OPS.__getitem__, 2: DTYPE_NAMES.__getitem__,
-              4: ALGORITHMS.__getitem__, 6: lambda x: f"{x}x{size // x}", 7: lambda c: f"crc32 {c:08x}"}
-    parts = disagreements(every, {f: (name, decode.get(f, str)) for f, name in enumerate(SIGNATURE)})
+              4: ALGORITHMS.__getitem__, 6: lambda x: f"{x}x{size // x}"}
+    fields = {f: (name, decode.get(f, str)) for f, name in enumerate(SIGNATURE) if f != _COUNTS}
+    parts = disagreements(every, fields)
+    # Every rank sees ``every``, so all take this branch or none (not alloc's agreement: another collective).
+    if (every[:, 0] == every[0, 0]).all() and (every[:, _COUNTS] != every[0, _COUNTS]).any():
+        parts.append(_recvcounts_text(comm, rank, size, timeout, what, algo, recvcounts))
     if parts:
         raise MismatchError(f"{what}({algo}) on rank {rank}: ranks disagree on " + ", ".join(parts))
+
+
+def _recvcounts_text(comm, rank: int, size: int, timeout, what: str, algo: str, recvcounts) -> str:
+    """``"recvcounts (rank 0 has [2, 2]; rank 1 has [1, 3])"``, from an all-gather of every rank's."""
+    mine = np.full(size, -1, np.int64) if recvcounts is None else np.asarray(recvcounts, np.int64)
+    every = np.empty((size, size), np.int64)
+    faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
+        f"{what}({algo}) on rank {rank}: no progress for {timeout:g} s collecting every rank's recvcounts "
+        "after they disagreed; abort the job"))
+    groups: dict = {}
+    for r, row in enumerate(every):
+        groups.setdefault(tuple(int(c) for c in row), []).append(r)
+    shown = "; ".join(f"{ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} "
+                      f"{'none (an all-reduce)' if min(v) < 0 else list(v)}" for v, rs in groups.items())
+    return f"recvcounts ({shown})"
 
 
 def disagreements(every: np.ndarray, fields: dict) -> list:

@@ -170,7 +170,8 @@ class TorusComm:
             # Peers that run this call over shared memory learn of another algorithm here at once.
             other = algo != "shm" and self._shm.announce_other()
             try:
-                agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, mine)
+                agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, mine,
+                                p.counts)
             except agreement.PeerRejected:
                 if not other:  # that rank spent a shared-memory step on its report (so did we, announcing)
                     self._shm.skip_step(True, "")
@@ -191,7 +192,8 @@ class TorusComm:
                 direct(name, spec, p, out, op, scale)
             except StepMismatch:
                 if self.check:  # every rank is here: say which argument differs (MismatchError)
-                    agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo, mine)
+                    agreement.agree(self.comm, self.rank, self.size, self._executor.timeout, spec.name, algo,
+                                    mine, p.counts)
                 raise
             result = out if spec.output_own else p.work
         else:

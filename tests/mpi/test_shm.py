@@ -5,6 +5,8 @@ The shared cases (oracle.CASES: every dtype, op, count, placement and recvcounts
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -167,6 +169,23 @@ def test_a_mismatch_once_the_window_is_open_names_the_argument_and_leaves_it_usa
     out = tc.allreduce(x, algorithm=algo)
     assert_matches(out, *expected(x, "sum"), f"allreduce(shm) of {n} after the mismatch")
     assert_same_on_all_ranks(out, "after the mismatch")
+
+
+@pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")
+def test_reduce_scatter_recvcounts_that_differ_are_named_once_the_window_is_open():
+    """Same total, other blocks on the last rank: the step's header differs, and the all-gather names each
+    rank's recvcounts (the signature carries only their checksum)."""
+    tc, algo = torus_comm("shm")
+    tc.allreduce(np.ones(8, np.float32), algorithm=algo)
+    blocks = list(range(1, SIZE + 1))
+    mine = blocks[::-1] if RANK == LAST else blocks
+    most = "rank 0 has" if SIZE == 2 else f"ranks 0-{LAST - 1} have"
+    named = f"recvcounts ({most} {blocks}; rank {LAST} has {blocks[::-1]})"
+    with pytest.raises(torus.MismatchError, match=re.escape(named)):
+        tc.reduce_scatter(np.ones(sum(blocks), np.float32), recvcounts=mine, algorithm=algo)
+    x = np.full(sum(blocks), RANK + 1.0)
+    out = tc.reduce_scatter(x, recvcounts=blocks, algorithm=algo)
+    assert (out == SIZE * (SIZE + 1) / 2).all() and out.size == blocks[RANK]
 
 
 @pytest.mark.skipif(SIZE < 2, reason="a mismatch needs a second rank")
