@@ -57,11 +57,12 @@ slot by slot into one hot buffer). Step 4 copies between two whole buffers, neit
 larger than the caches: the source read from memory, the destination read for ownership and written back.
 ``--fit`` times that (``np.copyto`` between two whole buffers of 64 KiB-32 MiB, every rank at once; the slope
 over bytes, torus/sim/fit.py ``window_copy_rate``); unset, it is ``copy_beta``. A linear rate over-prices the
-copies of buffers that stay in cache (where the flags dominate anyway).
+copies of chunks that stay in cache (a few hundred KiB), where the truth lies between the two constants.
 
 Symmetric (``P`` divides the count; also count 0, which still runs the flags):
 ``call + 3·a + (P-1)/P·M·(γ + w)`` (``w = window_beta``; one rank alone: ``call``, nothing to wait for, reduce or
-copy). Bytes per rank: copied ``(P-1)/P·M``, reduced ``(P-1)/P·M``; 3 flags published, 3 on the critical path.
+copy). Bytes per rank: copied ``(P-1)/P·M``, reduced ``(P-1)/P·M``; 3 flags published, 3 on the critical path
+(none for one rank).
 
 This follows ``run``, ``run_whole`` and ``run_window`` step for step as they are now; a change to the protocol
 needs its counterpart here and in the closed forms. Not modelled: waits when ranks outnumber cores (a
