@@ -1,5 +1,6 @@
 """torus-sim --fit/--validate building blocks under mpiexec: ping-pong pairs up, the reduce rate is measured,
-and validate's predictions are the simulator's. No timing is asserted (the machine is shared); about 1 s of work."""
+and validate's predictions are the simulator's (the shm rows too, --alloc's included). No timing is asserted
+(the machine is shared); about 1 s of work."""
 import numpy as np
 import pytest
 
@@ -62,4 +63,25 @@ def test_shm_constants_and_validate_row(world):
     slot = Cost(**{**cost.__dict__, "segment_bytes": tc._shm.slot_bytes})
     X, Y = tc.dims
     assert row["predicted_a"] == simulate("shm", "allreduce", Layout(X, Y, tc.size), 1 << 14, "float32", slot).time
+    tc.Free()
+
+
+def test_window_beta_and_validate_alloc_row(world):
+    """On one node: window_beta comes back non-negative and equal on every rank; validate's alloc row is measured
+    on TorusComm.alloc buffers (the TorusComm stays usable for further allocs after) and is the simulator's
+    run_window replay, next to the ordinary shm row."""
+    if world.Get_size() < 2 or not one_node():
+        pytest.skip("shm needs two ranks on one node")
+    window_beta, pts = fit.window_copy_rate(world, sizes=(1 << 12, 1 << 18), reps=2)
+    assert window_beta >= 0 and [n for n, _ in pts] == [1 << 12, 1 << 18]
+    assert world.allgather(window_beta) == [window_beta] * world.Get_size()
+    tc = TorusComm(check=False)
+    cost = Cost(2e-6, 1e-10, 3e-10, copy_beta=1e-10, flag_alpha=1e-6, call_alpha=1e-5, window_beta=window_beta)
+    plain, alloc = fit.validate(tc, {"a": cost}, sizes=(1 << 16,), algorithms=("shm",), iters=2, alloc=True)
+    assert (plain["alloc"], alloc["alloc"], alloc["algorithm"]) == (False, True, "shm") and alloc["measured"] > 0
+    X, Y = tc.dims
+    want = simulate("shm", "allreduce", Layout(X, Y, tc.size), 1 << 14, "float32", cost, alloc=True).time
+    assert alloc["predicted_a"] == want != plain["predicted_a"]
+    assert np.allclose(world.allgather(alloc["measured"]), alloc["measured"])
+    tc.free_alloc(tc.alloc(1 << 14, np.float32))
     tc.Free()

@@ -5,6 +5,7 @@
     torus-sim --sweep -b 1K -e 1G -f 4 --ranks 64,1088,2176 --json sim.json --plot sim.png
     torus-sim --paper
     torus-sim --algo shm,ring --ranks 4 --ranks-per-node 4 --nbytes 64M --copy-beta 1e-10 --flag-alpha 5e-7
+    torus-sim --algo shm --alloc --ranks 4 --ranks-per-node 4 --nbytes 64M --window-beta 2e-10 --flag-alpha 5e-7
     mpiexec -n 4 torus-sim --fit --json fit4.json           # measure α, β, γ on this machine, at 4 ranks
     mpiexec -n 4 torus-sim --validate --params fit4.json    # predicted vs measured TorusComm times
 
@@ -103,6 +104,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--flag-alpha", type=float, default=None,
                     help="shm: seconds until a flag one rank stores is seen by the others (default: --alpha)")
     ap.add_argument("--call-alpha", type=float, default=0.0, help="shm: seconds per call around its step loop")
+    ap.add_argument("--window-beta", type=float, default=None,
+                    help="shm --alloc: seconds per byte copied between two buffers neither in cache (a peer's "
+                         "reduced chunk from its buffer into ours; default: --copy-beta)")
+    ap.add_argument("--alloc", action="store_true",
+                    help="shm: the in-place all-reduce of a TorusComm.alloc buffer (no copy in, no segments: "
+                         "torus-bench --alloc's in-place column); other algorithms run such a buffer as any "
+                         "other; with --validate: adds that row, measured on alloc buffers")
     ap.add_argument("--segment-bytes", type=_size, default=None, metavar="SIZE",
                     help="pipelining unit in bytes (default: none, whole chunks)")
     ap.add_argument("--params", default=None, metavar="FILE",
@@ -131,6 +139,14 @@ def _check(ap, args) -> None:
         ap.error(f"--dims {args.dims[0]}x{args.dims[1]} does not multiply to --ranks {args.ranks[0]}")
     if args.ranks_per_node < 1 or min(args.ranks) < 1:
         ap.error("--ranks and --ranks-per-node must be at least 1")
+    if args.alloc and (args.paper or args.fit):
+        ap.error("--alloc prices the shm transport's all-reduce of alloc buffers in a replay or --validate, "
+                 "not with --paper or --fit (--fit on one node measures --window-beta anyway)")
+    if args.alloc and args.collective != ["allreduce"]:
+        ap.error("--alloc is for allreduce (alloc buffers serve in-place all-reduces)")
+    if args.alloc and not args.validate and "shm" not in args.algo:
+        ap.error("--alloc prices the shm transport's in-place all-reduce of TorusComm.alloc buffers: it needs "
+                 "--algo shm")
     if args.sweep:
         try:
             size_steps(args.minbytes, args.maxbytes, args.stepfactor)
@@ -224,7 +240,7 @@ def main(argv=None) -> int:
                     for algo in args.algo:
                         for nbytes in sizes:
                             r = simulate(algo, coll, layout, nbytes // ITEMSIZE[args.dtype], args.dtype, cost,
-                                         args.method)
+                                         args.method, args.alloc)
                             results.append(r)
                             print(_row_text(r), flush=True)
             except (ValueError, SimulationError) as e:

@@ -27,13 +27,17 @@ On one node ``--fit`` also fits the shared-memory transport's constants (sim/shm
 of ``np.copyto`` time over bytes, slot by slot as the transport copies, every rank at once (``copy_rate``);
 ``flag_alpha`` and ``call_alpha`` from shm all-reduces through ``TorusComm`` with the smallest slot (64 B per
 chunk and step, ``SHM_STEPS``), so that the bytes cost next to nothing and the time is the call plus its flag
-waits: the slope over the step count is two flags per step, the intercept the call (``shm_flags``).
+waits: the slope over the step count is two flags per step, the intercept the call (``shm_flags``); and
+``window_beta``, the copy of an in-place all-reduce of ``TorusComm.alloc`` buffers (a peer's chunk from its
+buffer into ours, neither in cache), as the slope of ``np.copyto`` between two whole buffers over bytes, every
+rank at once (``window_copy_rate``).
 
 ``--validate`` (``mpiexec -n K``, with ``--params`` from a ``--fit`` at the same K): for each algorithm and
 size, the median over iterations of the slowest rank's ``TorusComm.allreduce`` time, next to ``simulate`` with
 the fitted parameters (once with the fitted α, once with ``alpha_executor``) and the executor's segment size,
-on TorusComm's nodes (``layout_of``); on one node ``shm`` too, with the transport's slot. Both write rank 0's
-numbers to ``--json``.
+on TorusComm's nodes (``layout_of``); on one node ``shm`` too, with the transport's slot, and with ``--alloc``
+``shm`` once more, measured in place on ``TorusComm.alloc`` buffers and predicted by ``run_window``'s replay
+(``simulate(..., alloc=True)``). Both write rank 0's numbers to ``--json``.
 """
 from __future__ import annotations
 
@@ -172,6 +176,22 @@ def copy_rate(comm, sizes=REDUCE_SIZES, reps: int = 10, slot: int = 256 << 10) -
     return max(float(slope), 0.0), pts
 
 
+def window_copy_rate(comm, sizes=REDUCE_SIZES, reps: int = 10) -> tuple[float, list]:
+    """``window_beta`` (s per byte copied, sim/shm.py) as the least-squares slope over bytes of ``np.copyto``
+    from one whole buffer of each size into another, every rank of ``comm`` at once (each point the slowest
+    rank's median); and the points. Collective. Whole buffers, because that is how ``run_window`` copies a
+    peer's reduced chunk from its buffer into ours: the source from memory, the destination read for ownership
+    and written back (``copy_rate``'s slot stays in cache instead)."""
+    pts = []
+    for n in sizes:
+        src, dst = np.ones(n, np.uint8), np.ones(n, np.uint8)
+        once = lambda src=src, dst=dst: np.copyto(dst, src)  # noqa: E731
+        once()
+        pts.append((n, _slowest(comm, once, reps)))
+    slope = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0]
+    return max(float(slope), 0.0), pts
+
+
 def shm_flags(comm, copy_beta: float, gamma: float, steps=SHM_STEPS, iters: int = 40) -> tuple:
     """``(flag_alpha, call_alpha, points)`` of the shared-memory transport (sim/shm.py): in-place float32
     all-reduces of ``k`` steps (``steps``) with 64-byte pieces; the least-squares line of time over ``k`` has
@@ -187,9 +207,11 @@ def shm_flags(comm, copy_beta: float, gamma: float, steps=SHM_STEPS, iters: int 
     return max(float(flag), 0.0), max(float(intercept), 0.0), pts
 
 
-def measure_allreduce(tc, algorithm: str, nbytes: int, iters: int = 20) -> float:
-    """Median over ``iters`` calls of the slowest rank's time for one float32 all-reduce of ``nbytes``."""
-    buf = np.ones(nbytes // 4, np.float32)
+def measure_allreduce(tc, algorithm: str, nbytes: int, iters: int = 20, alloc: bool = False) -> float:
+    """Median over ``iters`` calls of the slowest rank's time for one float32 in-place all-reduce of ``nbytes``
+    (``alloc``: of a ``TorusComm.alloc`` buffer, freed after; collective)."""
+    buf = tc.alloc(nbytes // 4, np.float32) if alloc else np.empty(nbytes // 4, np.float32)
+    buf.fill(1)
     tc.allreduce(MPI.IN_PLACE, buf, algorithm=algorithm)
     times = []
     for _ in range(iters):
@@ -197,6 +219,8 @@ def measure_allreduce(tc, algorithm: str, nbytes: int, iters: int = 20) -> float
         t = time.perf_counter()
         tc.allreduce(MPI.IN_PLACE, buf, algorithm=algorithm)
         times.append(tc.comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+    if alloc:
+        tc.free_alloc(buf)
     return float(np.median(times))
 
 
@@ -220,20 +244,22 @@ def layout_of(tc) -> Layout:
 
 
 def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical"),
-             iters: int = 20) -> list[dict]:
+             iters: int = 20, alloc: bool = False) -> list[dict]:
     """Measured all-reduce times on ``tc`` (a TorusComm) and, for each ``{name: Cost}``, the simulator's
-    prediction ``predicted_<name>`` on ``tc``'s nodes (``layout_of``). Collective."""
+    prediction ``predicted_<name>`` on ``tc``'s nodes (``layout_of``); ``alloc``: then shm once more on
+    ``TorusComm.alloc`` buffers (rows with ``alloc`` true; every rank on one node). Collective."""
     X, Y = tc.dims
     layout = layout_of(tc)
     rows = []
-    for algo in algorithms:
+    for algo, window in [(a, False) for a in algorithms] + ([("shm", True)] if alloc else []):
         for n in sizes:
-            row = {"ranks": tc.size, "dims": f"{X}x{Y}", "algorithm": algo, "nbytes": n,
-                   "measured": measure_allreduce(tc, algo, n, iters)}
+            row = {"ranks": tc.size, "dims": f"{X}x{Y}", "algorithm": algo, "alloc": window, "nbytes": n,
+                   "measured": measure_allreduce(tc, algo, n, iters, window)}
             for name, cost in costs.items():
                 if algo == "shm":  # priced at the transport's own slot, not the executor's segment
                     cost = dataclasses.replace(cost, segment_bytes=tc._shm.slot_bytes)
-                row[f"predicted_{name}"] = simulate(algo, "allreduce", layout, n // 4, "float32", cost).time
+                row[f"predicted_{name}"] = simulate(algo, "allreduce", layout, n // 4, "float32", cost,
+                                                    alloc=window).time
             rows.append(row)
     return rows
 
@@ -264,9 +290,10 @@ def main(args, cost: Cost) -> int:
         shm_fit: dict = {}
         if nodes == 1:
             copy_beta, copy_pts = copy_rate(comm)
+            window_beta, window_pts = window_copy_rate(comm)
             flag, call, flag_pts = shm_flags(comm, copy_beta, gamma)
-            shm_fit = {"copy_beta": copy_beta, "flag_alpha": flag, "call_alpha": call, "copy": copy_pts,
-                       "shm_steps": flag_pts}
+            shm_fit = {"copy_beta": copy_beta, "flag_alpha": flag, "call_alpha": call, "window_beta": window_beta,
+                       "copy": copy_pts, "window_copy": window_pts, "shm_steps": flag_pts}
         if rank == 0:
             alpha, beta = fit_alpha_beta(points)
             fitted: dict = {"alpha": alpha, "beta": beta, "gamma": gamma, "alpha_executor": alpha_exec,
@@ -295,6 +322,9 @@ def main(args, cost: Cost) -> int:
                       f"by 256 KiB slots, every rank at once)   flag_alpha = {shm_fit['flag_alpha']:.3e} s   "
                       f"call_alpha = {shm_fit['call_alpha']:.3e} s (shm all-reduces of "
                       f"{', '.join(map(str, SHM_STEPS))} 64-byte steps)")
+                wb = shm_fit["window_beta"]
+                print(f"shm alloc: window_beta = {wb:.3e} s/B ({1e-9 / wb if wb else float('inf'):.2f} GB/s, "
+                      "np.copyto between two whole buffers, every rank at once)")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(fitted, f, indent=1)
@@ -312,14 +342,22 @@ def main(args, cost: Cost) -> int:
     if layout_of(tc).nodes > 1:  # across nodes: also with a node's link shared by its ranks (model.Cost)
         costs["shared"] = dataclasses.replace(costs["fit"], shared_links=True)
     one_node = tc.nodes == 1
-    rows = validate(tc, costs, algorithms=("ring", "torus2d", "hierarchical") + (("shm",) if one_node else ()))
+    if args.alloc and not one_node:
+        if rank == 0:
+            print(f"torus-sim --validate --alloc: alloc buffers need every rank on one node; these ranks are on "
+                  f"{tc.nodes}")
+        tc.Free()
+        return 2
+    rows = validate(tc, costs, algorithms=("ring", "torus2d", "hierarchical") + (("shm",) if one_node else ()),
+                    alloc=args.alloc)
     if rank == 0:
         print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {layout_of(tc).nodes} node(s) in the model, {load}; "
               f"predicted with {costs}")
         print(f"{'algorithm':>12} {'size':>6} {'measured ms':>12}"
               + "".join(f" {'pred ' + k + ' ms':>18} {'ratio':>6}" for k in costs))
         for r in rows:
-            print(f"{r['algorithm']:>12} {format_size(r['nbytes']):>6} {r['measured'] * 1e3:>12.4f}"
+            name = r["algorithm"] + (" alloc" if r["alloc"] else "")
+            print(f"{name:>12} {format_size(r['nbytes']):>6} {r['measured'] * 1e3:>12.4f}"
                   + "".join(f" {r['predicted_' + k] * 1e3:>18.4f} {r['predicted_' + k] / r['measured']:>6.2f}"
                             for k in costs))
         if args.json:

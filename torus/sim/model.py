@@ -38,7 +38,9 @@ class Cost:
     closed forms' assumption). The shared-memory transport (sim/shm.py) is priced by ``copy_beta`` (seconds
     per byte of a memory copy; default ``beta``), ``flag_alpha`` (seconds until a flag one rank stores is seen
     by the others; default ``alpha``) and ``call_alpha`` (seconds per call around its step loop; default 0),
-    with ``gamma``; ``segment_bytes`` is then its slot (None: the transport's default)."""
+    with ``gamma``; ``segment_bytes`` is then its slot (None: the transport's default); its in-place all-reduce
+    of a ``TorusComm.alloc`` buffer also by ``window_beta`` (seconds per byte copied between two buffers, neither
+    in cache: a peer's reduced chunk from its buffer into ours; default ``copy_beta``)."""
     alpha: float = 1e-6
     beta: float = 1e-10
     gamma: float = 0.0
@@ -49,6 +51,7 @@ class Cost:
     copy_beta: float | None = None
     flag_alpha: float | None = None
     call_alpha: float = 0.0
+    window_beta: float | None = None
 
     def link(self, crossing):
         """(α, β) for a message, or arrays of them for a boolean array ``crossing``."""

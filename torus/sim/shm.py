@@ -36,9 +36,37 @@ per-rank clocks over every step (any count: uneven chunks, empty pieces skip the
 ``(P-1)/P·M``, as the transport's docstring counts them. Flags on the critical path: 2 per step for an
 all-reduce, 1 otherwise.
 
-This follows ``run`` and ``run_whole`` step for step as they are now; a change to the protocol needs its
-counterpart here and in the closed forms. Not modelled: ``run_window`` (``TorusComm.alloc`` buffers), and
-waits when ranks outnumber cores (a scheduler hand-off, not a flag latency; bench/README.md).
+Buffers in the window (``alloc=True``: an in-place all-reduce of a ``TorusComm.alloc`` buffer, ``run_window``;
+every size, no one-step path, no segments, so no slot): each rank's buffer is its input and its output, and the
+peers read it where it lies. On rank ``r``, ``n_q`` bytes of chunk ``q`` (``partition.chunks``):
+
+1. publish ``copied`` at once (no copy in: the buffer holds the input);
+2. join: every peer's ``copied``, plus ``flag_alpha``;
+3. reduce the own chunk in place from the ``P`` buffers, ``(P-1)·γ·n_r`` (one pass per peer over the whole
+   chunk, ``acc = acc + peer``: what ``--fit`` times for γ, ``reduce_into`` of whole buffers), then publish
+   ``reduced``;
+4. for each peer ``r+1, r+2, ...``: wait for its ``reduced`` (its time plus ``flag_alpha``; an empty chunk is
+   waited for too, the code waits before it looks at the count), then copy its chunk from its buffer into ours
+   at ``window_beta`` s/B;
+5. publish the closing ``copied`` and wait for every peer's (plus ``flag_alpha``): nobody writes its buffer
+   again while a peer still reads it.
+
+Why ``window_beta`` and not ``copy_beta``: ``run``'s copies have one side in cache (the slot, a few hundred
+KiB that stay in L2 between copy in, reduction and copy out), and ``copy_beta`` is fitted so (``np.copyto``
+slot by slot into one hot buffer). Step 4 copies between two whole buffers, neither in cache once they are
+larger than the caches: the source read from memory, the destination read for ownership and written back.
+``--fit`` times that (``np.copyto`` between two whole buffers of 64 KiB-32 MiB, every rank at once; the slope
+over bytes, torus/sim/fit.py ``window_copy_rate``); unset, it is ``copy_beta``. A linear rate over-prices the
+copies of chunks that stay in cache (a few hundred KiB), where the truth lies between the two constants.
+
+Symmetric (``P`` divides the count; also count 0, which still runs the flags):
+``call + 3·a + (P-1)/P·M·(γ + w)`` (``w = window_beta``; one rank alone: ``call``, nothing to wait for, reduce or
+copy). Bytes per rank: copied ``(P-1)/P·M``, reduced ``(P-1)/P·M``; 3 flags published, 3 on the critical path
+(none for one rank).
+
+This follows ``run``, ``run_whole`` and ``run_window`` step for step as they are now; a change to the protocol
+needs its counterpart here and in the closed forms. Not modelled: waits when ranks outnumber cores (a
+scheduler hand-off, not a flag latency; bench/README.md), the caches at the sizes that fit them.
 """
 from __future__ import annotations
 
@@ -63,14 +91,34 @@ def _constants(cost: Cost):
     return a, b, cost.gamma, cost.call_alpha
 
 
+def _window_beta(cost: Cost) -> float:
+    b = _constants(cost)[1]
+    return b if cost.window_beta is None else cost.window_beta
+
+
+def _one_node(what: str, layout: Layout) -> None:
+    if layout.nodes != 1:
+        raise SimulationError(f"torus-sim shm {what}: shared memory serves one node; this layout has "
+                              f"{layout.nodes}")
+
+
+def _join(done: np.ndarray, a: float) -> np.ndarray:
+    """When each rank has seen every peer's flag stored at ``done`` (one rank alone waits for none)."""
+    P = done.size
+    if P == 1:
+        return done.copy()
+    first = int(np.argmax(done))
+    others = np.full(P, done[first])
+    others[first] = np.delete(done, first).max()
+    return np.maximum(done, others + a)
+
+
 def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cost) -> tuple:
     """``(time, flag_steps, copied, reduced, flags)``: seconds until the last rank finishes, flags waited on in
     sequence, and per rank (arrays) bytes copied into the window, bytes reduced and flags published. Raises
     SimulationError unless every rank is on one node."""
     P = layout.N
-    if layout.nodes != 1:
-        raise SimulationError(f"torus-sim shm {collective}: shared memory serves one node; this layout has "
-                              f"{layout.nodes}")
+    _one_node(collective, layout)
     a, b, g, call = _constants(cost)
     slot = slot_bytes(cost, P)
     counts = np.asarray(chunks(count, P)[0], np.int64)  # all-reduce chunks; reduce-scatter/all-gather blocks
@@ -96,12 +144,7 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
         n, _ = piece(i)
         done = t  # this step's input is in: copied published
         flags += 1
-        # join: every peer's copied flag, seen flag_alpha after it was stored (one rank alone waits for none)
-        first = int(np.argmax(done))
-        others = np.full(P, done[first]) if P > 1 else np.full(P, -np.inf)
-        if P > 1:
-            others[first] = np.delete(done, first).max()
-        join = np.maximum(done, others + a)
+        join = _join(done, a)  # every peer's copied flag, seen flag_alpha after it was stored
         if collective == "allgather":
             ready = join
         else:
@@ -143,3 +186,30 @@ def closed_form(collective: str, M: float, P: int, cost: Cost) -> float:
     if M <= min(WHOLE_MAX_BYTES, slot):
         return call + b * M + a + (P - 1) * g * M
     return call + (P - 1) * b * s + S * (a + (P - 1) * g * s + P * b * s) + (S - 1) * max(a, (P - 1) * b * s) + a
+
+
+def replay_window(layout: Layout, count: int, itemsize: int, cost: Cost) -> tuple:
+    """``replay``'s tuple for the in-place all-reduce of a ``TorusComm.alloc`` buffer (``run_window``, module
+    docstring), ``count`` elements of ``itemsize`` bytes; ``copied``: bytes each rank copies from the peers'
+    buffers into its own. Raises SimulationError unless every rank is on one node."""
+    P = layout.N
+    _one_node("allreduce of an alloc buffer", layout)
+    a, _, g, call = _constants(cost)
+    w = _window_beta(cost)
+    n = np.asarray(chunks(count, P)[0], np.int64) * itemsize
+    ranks = np.arange(P)
+    t = _join(np.full(P, float(call)), a)  # copied published on entry: the buffer is the input
+    reduced_at = t + (P - 1) * g * n  # every peer's pass over our chunk, in place
+    t = reduced_at
+    for k in range(1, P):  # chunk rank + k once its owner's reduced is seen, empty ones too
+        q = (ranks + k) % P
+        t = np.maximum(t, reduced_at[q] + a) + w * n[q]
+    t = _join(t, a)  # the closing copied: every peer is done reading our buffer
+    copied = (n.sum() - n).astype(float)
+    return float(t.max()), 3 if P > 1 else 0, copied, ((P - 1) * n).astype(float), np.full(P, 3.0)
+
+
+def closed_form_window(M: float, P: int, cost: Cost) -> float:
+    """Seconds of ``replay_window`` in the symmetric case (``P`` divides the count): ``M`` bytes, ``P`` ranks."""
+    a, _, g, call = _constants(cost)
+    return call + (3 * a if P > 1 else 0.0) + (P - 1) / P * M * (g + _window_beta(cost))

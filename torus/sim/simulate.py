@@ -20,7 +20,7 @@ class Result:
     """Per collective call. Bytes per rank: sent, reduced, sent to another node (max and mean over ranks);
     ``inter_node_max``: bytes leaving the busiest node; ``steps``: messages in sequence on the critical path;
     ``time``: seconds until the last rank finishes; ``tag_mismatches``: message pairs posted at different step
-    indices (the executor, which tags by step, would hang on them); ``method``: "full" or "orbit"."""
+    indices (the executor, which tags by step, would hang on them); ``method``: "full", "orbit", "shm" or "alloc"."""
     algorithm: str
     collective: str
     ranks: int
@@ -61,20 +61,25 @@ def _samples(n: int) -> list[int]:
 
 
 def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype: str = "float32",
-             cost: Cost = Cost(), method: str = "auto") -> Result:
+             cost: Cost = Cost(), method: str = "auto", alloc: bool = False) -> Result:
     """Replay ``collective`` by ``algorithm`` on ``layout`` for ``count`` elements of ``dtype``.
 
     ``count``: elements of the all-reduce buffer, or of the whole reduce-scatter input / all-gather output.
     ``method``: "full" replays every rank's real plan; "orbit" derives all ranks from representatives
     (checked against real plans of sampled ranks); "auto" picks full up to FULL_MAX_RANKS ranks. ``shm``
     (one node only) replays the shared-memory transport's steps instead (sim/shm.py; method "shm").
-    Raises ValueError for unknown names, SimulationError for a plan that cannot run or shm across nodes.
+    ``alloc``: an in-place all-reduce of a ``TorusComm.alloc`` buffer; shm then replays ``run_window``
+    (method "alloc"), the other algorithms run such a buffer as any other (priced as without).
+    Raises ValueError for unknown names or ``alloc`` with another collective than allreduce,
+    SimulationError for a plan that cannot run or shm across nodes.
     """
     if algorithm not in ALGORITHMS or collective not in P.COLLECTIVES or dtype not in ITEMSIZE:
         raise ValueError(f"torus-sim: unknown algorithm/collective/dtype {algorithm}/{collective}/{dtype}")
+    if alloc and collective != "allreduce":
+        raise ValueError(f"torus-sim: alloc buffers serve in-place all-reduces, not {collective}")
     itemsize = ITEMSIZE[dtype]
     if algorithm == "shm":
-        return _shm(collective, layout, count, itemsize, cost)
+        return _shm(collective, layout, count, itemsize, cost, alloc)
     if method == "auto":
         method = "full" if layout.N <= FULL_MAX_RANKS else "orbit"
     if method == "full":
@@ -143,9 +148,13 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
     return _result("hierarchical", "allreduce", layout, count, itemsize, time, depth, st, mism, "orbit")
 
 
-def _shm(collective: str, layout: Layout, count: int, itemsize: int, cost: Cost) -> Result:
-    """The shared-memory transport: no messages; ``steps`` counts the flags waited on in sequence, ``sent``
-    the bytes each rank copies into the window, ``reduced`` the bytes it reduces (sim/shm.py)."""
-    time, steps, copied, reduced, flags = shm.replay(collective, layout, count, itemsize, cost)
+def _shm(collective: str, layout: Layout, count: int, itemsize: int, cost: Cost, alloc: bool) -> Result:
+    """The shared-memory transport: no messages; ``steps`` counts the flags waited on in sequence, ``msgs``
+    the flags each rank publishes, ``sent`` the bytes it copies (into the window; ``alloc``: from the peers'
+    buffers into its own), ``reduced`` the bytes it reduces (sim/shm.py)."""
+    if alloc:
+        time, steps, copied, reduced, flags = shm.replay_window(layout, count, itemsize, cost)
+    else:
+        time, steps, copied, reduced, flags = shm.replay(collective, layout, count, itemsize, cost)
     st = {"msgs": flags, "sent": copied, "reduced": reduced, "inter": np.zeros(layout.N)}
-    return _result("shm", collective, layout, count, itemsize, time, steps, st, 0, "shm")
+    return _result("shm", collective, layout, count, itemsize, time, steps, st, 0, "alloc" if alloc else "shm")
