@@ -32,6 +32,7 @@ cdef reduce_t _reduce_raw = <reduce_t>PyCapsule_GetPointer(_reduce.raw_reduce(),
 # line (the call's signature) followed by slot_bytes of data.
 cdef enum:
     COPIED = 0
+    LEFT = 16  # in copied's line, after its sleeper count (src/shm_flags.h): nonzero once this rank's Python exits
     REDUCED = 64
     FLAG_AREA = 128
     HEADER = 64
@@ -53,6 +54,7 @@ cpdef enum:
     MISMATCH = 3
     PEER_ERROR = 4
     PEER_OTHER = 5
+    PEER_LEFT = 6
 
 # The headers a rank writes instead of a signature (``announce``) when its own arguments failed their local
 # check, and when it runs another algorithm than shm in this call with the argument check on; signatures are
@@ -71,8 +73,10 @@ cdef double _NAP = 0.05
 cdef int64_t _BLOCK_BYTES = 16384
 
 
-cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) noexcept nogil:
-    """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without. ``spin >= 0``: polls
+cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin, const uint64_t* gone) noexcept nogil:
+    """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without, 2 once the flag's writer
+    has left (``*gone`` nonzero: its Python exited, ``mark_left``) without storing it: it never will, since it
+    stores its flags before it leaves (looked at between sleeps, which its mark wakes). ``spin >= 0``: polls
     that many times (a few microseconds when every rank has its own core); ``spin < 0``: yields the core
     ``-spin`` times instead (more ranks than cores: the rank waited for may need this very core, and on a
     quiet node a yield hands it over at once). Then sleeps on the flag until its writer wakes it
@@ -98,6 +102,8 @@ cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin) 
         seen = torus_flag_load(flag)
         if seen >= target:
             return 0
+        if torus_flag_load(gone):  # acquire: the writer's flag stores before it came are visible now
+            return 0 if torus_flag_load(flag) >= target else 2
         if timeout > 0:
             left = deadline - monotonic_s()
             if left <= 0:
@@ -126,11 +132,14 @@ cdef int _join(const int64_t[::1] bases, int rank, int P, uint64_t cur, uint64_t
     DONE, or STALLED_COPY / PEER_ERROR / PEER_OTHER / MISMATCH with ``peer[0]`` the first peer found so."""
     cdef int k, q
     cdef uint64_t theirs
+    cdef int w
     for k in range(1, P):
         q = (rank + k) % P
-        if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin):
+        w = _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin,
+                  <const uint64_t*>(<char*>bases[q] + LEFT))
+        if w:
             peer[0] = q
-            return STALLED_COPY
+            return STALLED_COPY if w == 1 else PEER_LEFT
         theirs = (<uint64_t*>(<char*>bases[q] + header_off))[0]
         if theirs != sig:
             peer[0] = q
@@ -174,7 +183,7 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
     Returns ``(status, step, peer, nsteps)``: status DONE, STALLED_COPY / STALLED_REDUCE (no progress for
     ``timeout`` s waiting on ``peer``'s copy-in / reduced chunk at ``step``), MISMATCH (``peer``'s signature
     differs from ``sig``), PEER_ERROR (``peer`` announced an argument error instead)."""
-    cdef int P = bases.shape[0], k, q, status = DONE, peer = -1
+    cdef int P = bases.shape[0], k, q, w, status = DONE, peer = -1
     cdef char* s = <char*>cnp.PyArray_DATA(src)
     cdef char* o = <char*>cnp.PyArray_DATA(out)
     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(out)
@@ -245,8 +254,10 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                 n = _piece(counts[q], lo, seg)
                 if n == 0:
                     continue
-                if mode == ALLREDUCE and _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout, spin):
-                    status, peer = STALLED_REDUCE, q
+                w = 0 if mode != ALLREDUCE else _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout,
+                                                      spin, <const uint64_t*>(<char*>bases[q] + LEFT))
+                if w:
+                    status, peer = (STALLED_REDUCE if w == 1 else PEER_LEFT), q
                     break
                 slot = <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0)
                 _copy_out(o + (displs[q] + lo) * item, slot, n * item, stream)
@@ -298,6 +309,15 @@ def announce(int64_t base, int64_t slot_bytes, uint64_t seq, uint64_t sig):
     torus_flag_store(<uint64_t*>(region + COPIED), cur)
 
 
+def mark_left(int64_t base):
+    """This rank's Python is exiting: say so in its region (the peers' waits on its flags end with PEER_LEFT
+    instead of the stall timeout) and wake whoever sleeps on its flags. Its flags keep their values."""
+    cdef char* region = <char*>base
+    torus_flag_store(<uint64_t*>(region + LEFT), 1)
+    torus_flag_store(<uint64_t*>(region + COPIED), torus_flag_load(<uint64_t*>(region + COPIED)))
+    torus_flag_store(<uint64_t*>(region + REDUCED), torus_flag_load(<uint64_t*>(region + REDUCED)))
+
+
 def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, const int64_t[::1] counts,
                const int64_t[::1] displs, int64_t slot_bytes, int kind, int item, int op, double scale,
                int nthreads, double timeout, int spin, uint64_t seq, uint64_t sig):
@@ -312,7 +332,7 @@ def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, cons
        and wait for every peer's (nobody's buffer is written again, by its owner, while a peer still reads it).
 
     Returns ``(status, phase, peer)`` with the statuses of ``run`` (phase 0, 1 or 2)."""
-    cdef int P = bases.shape[0], k, q, status = DONE, peer = -1, phase = 0
+    cdef int P = bases.shape[0], k, q, w, status = DONE, peer = -1, phase = 0
     cdef uint64_t cur = seq + 1, theirs
     cdef char* mine = <char*>data[rank]
     cdef char* acc
@@ -334,8 +354,10 @@ def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, cons
             phase = 2
             for k in range(1, P):
                 q = (rank + k) % P
-                if _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout, spin):
-                    status, peer = STALLED_REDUCE, q
+                w = _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout, spin,
+                          <const uint64_t*>(<char*>bases[q] + LEFT))
+                if w:
+                    status, peer = (STALLED_REDUCE if w == 1 else PEER_LEFT), q
                     break
                 if counts[q]:
                     memcpy(mine + displs[q] * item, <char*>data[q] + displs[q] * item, counts[q] * item)
@@ -344,7 +366,9 @@ def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, cons
             torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur + 1)
             for k in range(1, P):
                 q = (rank + k) % P
-                if _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur + 1, timeout, spin):
-                    status, peer = STALLED_COPY, q
+                w = _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur + 1, timeout, spin,
+                          <const uint64_t*>(<char*>bases[q] + LEFT))
+                if w:
+                    status, peer = (STALLED_COPY if w == 1 else PEER_LEFT), q
                     break
     return status, phase, peer

@@ -48,11 +48,12 @@ def _mpiexec() -> str:
     return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
-def _job(mode: str, check: bool, python_args=()) -> tuple[int, float, str]:
+def _job(mode: str, check: bool, python_args=(), algorithm: str = "ring", **env_vars) -> tuple[int, float, str]:
     """Run the worker under ``mpiexec -n 3``; return (exit status, seconds, merged output). The job runs in
     its own session so that a job that outlives the bound is killed whole (launcher, proxy and ranks)."""
-    cmd = [_mpiexec(), "-n", "3", sys.executable, *python_args, __file__, mode, "check" if check else "nocheck"]
-    env = dict(os.environ, TORUS_TIMEOUT="3", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [_mpiexec(), "-n", "3", sys.executable, *python_args, __file__, mode, "check" if check else "nocheck",
+           algorithm]
+    env = {**os.environ, "TORUS_TIMEOUT": "3", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env_vars}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -80,6 +81,19 @@ def test_a_leaving_rank_ends_the_job(mode, check):
         where = "in the argument check" if check else "at step "
         survivors = [r for r in (0, 1) if f"allreduce(ring) on rank {r}: no progress for 3 s {where}" in out]
         assert survivors and "uncaught TimeoutError" in out, tail
+
+
+@pytest.mark.parametrize("algorithm, after", [("ring", "1.0 s into this wait"), ("shm", "at step 1/1")])
+def test_a_rank_whose_python_exits_is_named_before_the_stall_timeout(algorithm, after):
+    """Rank 2 returns (sys.exit(0)) while the others call on: its exit notice ends their waits -- over MPI
+    after TORUS_LEFT_GRACE (1 s here), over shared memory at once -- naming it, long before the stall
+    timeout (60 s here), and the uncaught error ends the job."""
+    rc, seconds, out = _job("sys.exit(0)", True, algorithm=algorithm, TORUS_TIMEOUT="60", TORUS_LEFT_GRACE="1")
+    tail = out[-3000:]
+    assert rc != 0 and seconds < BOUND_S, tail
+    said = [r for r in (0, 1) if f"allreduce({algorithm}) on rank {r}: rank 2 left the job" in out]
+    assert said and "no progress for" not in out and "uncaught TimeoutError" in out, tail
+    assert after in out, tail
 
 
 def test_mpi4py_launcher_aborts_on_sys_exit():
@@ -123,7 +137,7 @@ def test_abort_on_exception_prints_then_aborts(monkeypatch, capfd, exc, status):
     assert exits == [status] and "MPI_Abort returned; exiting with status" in err.splitlines()[-1]
 
 
-def worker(mode: str, check: bool) -> None:
+def worker(mode: str, check: bool, algorithm: str) -> None:
     import numpy as np
 
     import torus
@@ -136,9 +150,9 @@ def worker(mode: str, check: bool) -> None:
         if tc.rank == 2 and i == 2:
             print(f"rank 2 leaves by {mode}", flush=True)
             LEAVE[mode]()
-        tc.allreduce(x, algorithm="ring")
+        tc.allreduce(x, algorithm=algorithm)
     print(f"rank {tc.rank} finished", flush=True)
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2] == "check")
+    worker(sys.argv[1], sys.argv[2] == "check", sys.argv[3])

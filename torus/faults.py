@@ -15,10 +15,18 @@ the same sequence with torus):
 torus closes that gap in two parts. :func:`abort_on_exception` (opt-in; ``python -m mpi4py script.py`` does the
 same for a whole script and also aborts on ``sys.exit`` with a non-zero status) turns an uncaught exception on
 any rank into ``MPI_Abort``, which ends the job at once. A rank that leaves through ``sys.exit`` (or returns from
-``main`` early) is caught by the survivors' stall timeout (``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``): every
-torus collective, including the argument check, raises :class:`torus.errors.TimeoutError` naming the operation
-after ``timeout`` seconds without progress, and with :func:`abort_on_exception` that uncaught error aborts the job.
-Not covered: a survivor blocked in an MPI call outside torus (``algorithm="native"``, the caller's own
+``main`` early, or only rank 0 makes a call) says so at Python's exit, before ``MPI_Finalize``: an empty message
+with ``EXIT_TAG`` to every peer of each TorusComm's communicator (:func:`watch`), and a mark in its
+shared-memory region (:func:`at_exit`). A survivor waiting on it then raises :class:`torus.errors.TimeoutError`
+naming that rank: over shared memory at once (the departed rank stored its flags before it left, so a flag
+still missing never comes), in :func:`wait` once the wait has lasted ``LEFT_GRACE_S`` (MPI does not order the
+notice after that rank's last data messages on other communicators). Otherwise the survivors' stall timeout
+(``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``) catches it: every torus collective, including the argument
+check, raises :class:`torus.errors.TimeoutError` naming the operation after ``timeout`` seconds without
+progress; with :func:`abort_on_exception` that uncaught error aborts the job. Not covered by the notice: waits
+in the C step loop (``check=False`` with ring, hierarchical or torus2d: the stall timeout), a wait on a
+communicator whose peers all stay while another rank has left that lasts ``LEFT_GRACE_S`` (it raises too).
+Not covered at all: a survivor blocked in an MPI call outside torus (``algorithm="native"``, the caller's own
 ``comm.Allreduce``) waits forever, since MPI's blocking calls have no timeout.
 
 ``MPI_Abort`` itself may fail to end a rank: across hosts, on a host whose link is cut, it reaches the local
@@ -53,26 +61,94 @@ ABORT_GRACE_S = 0.5
 ABORT_TIMEOUT_S = 10.0
 EXIT_AFTER_STALL = 3  # the watchdog at exit after a stall: this many abort timeouts
 _stalled = False  # set when this process raised a stall timeout: its communicators may never finish
+# The tag of a "this rank's Python is exiting" notice: one above every step tag (runtime/compile.py's TAG_MOD
+# wraps step indices below 32767, and MPI guarantees tags up to at least 32767).
+EXIT_TAG = 32767
+# A wait that has run this long while some peer has announced its exit raises: the peer cannot take part in
+# a call it has not finished (long enough for a departed peer's last messages to arrive).
+LEFT_GRACE_S = float(os.environ.get("TORUS_LEFT_GRACE", 5.0))
+_PROBE_AFTER_S = 0.02  # a wait starts probing for exit notices after this, then every _PROBE_EVERY_S
+_PROBE_EVERY_S = 0.01
+_watched: dict = {}  # id -> communicator whose peers are told when this process exits (TorusComm's own)
+_exit_notices: dict = {}  # id(owner) -> what tells its peers when this process exits (at_exit)
 
 
 def wait(req: MPI.Request, timeout: float | None, message) -> None:
-    """Complete ``req``, or raise :class:`torus.errors.TimeoutError` with ``message()`` after ``timeout`` s.
+    """Complete ``req``, or raise :class:`torus.errors.TimeoutError` with ``message()`` after ``timeout`` s,
+    or after ``LEFT_GRACE_S`` (5 s, ``TORUS_LEFT_GRACE``) once a peer has announced that its Python exited
+    (:func:`watch`): then the message names that peer instead of the stall.
 
-    ``timeout`` None waits in ``MPI_Wait`` (no polling cost). ``message`` is called only on timeout, so callers
-    build the text (operation, rank, step, peer) lazily."""
+    ``timeout`` None waits in ``MPI_Wait`` (no polling cost, no exit notices). ``message`` is called only on
+    failure, so callers build the text lazily: ``"<operation> on rank <r>: <why>"``."""
     if timeout is None:
         req.Wait()
         return
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, probe = start + timeout, start + _PROBE_AFTER_S
     while not req.Test():
         # Give the core away after every unsuccessful test: when ranks outnumber cores the rank we wait for
         # may need this very core. Measured at 4 ranks on 2 cores (ring all-reduce / MPI_Allreduce): 1.28x
         # -> 1.04x at 1 MiB, 1.20x -> 0.96x at 4 MiB against yielding every 100 tests; neutral at 2 ranks
         # (one core each), where sched_yield returns at once. Pure spinning was 2.7x slower still.
         os.sched_yield()
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             _stall()
             raise TorusTimeout(message())
+        if _watched and now > probe:
+            probe = now + _PROBE_EVERY_S
+            left = _left()
+            if left and now - start > LEFT_GRACE_S:
+                _stall()
+                raise TorusTimeout(f"{message().split(': ', 1)[0]}: {left} left the job (Python exited there) "
+                                   f"while this rank waits ({now - start:.1f} s into this wait): every "
+                                   "rank must make the same collective calls (under TorusStrategy, fit, "
+                                   "evaluate and predict too: call them on every rank, not on rank 0 alone)")
+
+
+def watch(comm: MPI.Comm) -> None:
+    """Tell ``comm``'s other ranks when this process exits (a notice at Python's exit, before MPI_Finalize),
+    so that their waits in :func:`wait` end with an error naming this rank instead of the stall timeout.
+    Until :func:`unwatch` (before ``comm`` is freed)."""
+    _watched[id(comm)] = comm
+
+
+def unwatch(comm: MPI.Comm) -> None:
+    _watched.pop(id(comm), None)
+
+
+def _left() -> str:
+    """"rank 1" / "ranks 1, 3" (in a watched communicator) whose exit notice has arrived, or ""."""
+    for comm in list(_watched.values()):
+        gone = [r for r in range(comm.Get_size()) if r != comm.Get_rank() and comm.Iprobe(r, EXIT_TAG)]
+        if gone:
+            return ("rank " if len(gone) == 1 else "ranks ") + ", ".join(map(str, gone))
+    return ""
+
+
+def at_exit(owner, notice) -> None:
+    """Call ``notice()`` when this process's Python exits (before MPI_Finalize), until :func:`cancel_at_exit`
+    of ``owner``: how a transport that waits outside :func:`wait` (shared memory) hears of a departed peer."""
+    _exit_notices[id(owner)] = notice
+
+
+def cancel_at_exit(owner) -> None:
+    _exit_notices.pop(id(owner), None)
+
+
+@atexit.register  # registered after mpi4py's MPI_Finalize (imported above): runs before it
+def _announce_exit() -> None:
+    for notice in list(_exit_notices.values()):
+        notice()
+    if not _watched or MPI.Is_finalized():
+        return
+    reqs = []
+    for comm in _watched.values():
+        me = comm.Get_rank()
+        reqs += [comm.Isend([b"", MPI.BYTE], r, EXIT_TAG) for r in range(comm.Get_size()) if r != me]
+    end = time.monotonic() + 1.0  # an empty message completes at once; never hold the exit up for long
+    while reqs and not MPI.Request.Testall(reqs) and time.monotonic() < end:
+        os.sched_yield()
 
 
 def _stall() -> None:

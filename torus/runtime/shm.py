@@ -51,7 +51,9 @@ last read of that buffer, in step ``s - 2``; a peer is at most one step ahead (i
 Sequence numbers only grow, so no flag from an earlier call (of another size) can satisfy a later wait.
 Each element is reduced once, by the rank owning its chunk, and copied to the others: every rank's result
 is bitwise identical. A wait that sees no progress for ``timeout`` s raises TimeoutError naming the step
-and the peer; after a stall or a mismatch the transport refuses further calls (its counters disagree).
+and the peer, and so does, at once, a wait on a peer whose Python has exited (``mark_left`` at its exit,
+torus.faults.at_exit: it stored every flag it ever will); after a stall or a mismatch the transport refuses
+further calls (its counters disagree).
 
 Cost per byte of an all-reduce on ``p`` ranks: one copy in of ``(p-1)/p`` of the buffer, the reduction's
 ``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk block by block from L1,
@@ -78,6 +80,7 @@ buffer (they take the ordinary path).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import weakref
 import zlib
@@ -206,6 +209,7 @@ class SharedMemory:
         self._bases = np.array([win.Shared_query(q)[0].address for q in range(size)], np.int64)
         self._win = win
         self.comm.Barrier()  # every rank's flags are zero before anyone looks at them
+        faults.at_exit(self, functools.partial(_shm.mark_left, int(self._bases[self.rank])))
 
     def _prepare(self, collective: str, out: np.ndarray, counts, op: str, window):
         """What a call shape needs, decided once: (mode, counts, displs, segment in elements, kernel kind,
@@ -325,6 +329,11 @@ class SharedMemory:
                 raise StepMismatch(message)
             self._broken = f"rank {who} made a different call"
             raise MismatchError(message)
+        if status == _shm.PEER_LEFT:
+            self._broken = f"rank {who} left the job"
+            raise TorusTimeout(f"{what} on rank {me}: rank {who} left the job (its Python exited) at step "
+                               f"{step + 1}/{nsteps} without this call's data, which it never made: every rank "
+                               "must make the same collective calls; abort the job")
         waited = "copy in its input" if status == _shm.STALLED_COPY else "publish its reduced chunk"
         self._broken = f"rank {who} stalled"
         raise TorusTimeout(f"{what} on rank {me}: no progress for {self.timeout:g} s at step "
@@ -443,5 +452,6 @@ class SharedMemory:
             self._free_window(found)
         self._buffers.clear()
         if self._win is not None:
+            faults.cancel_at_exit(self)
             self._win.Free()
             self._win = None
