@@ -99,7 +99,7 @@ def _window_beta(cost: Cost) -> float:
 def _one_node(what: str, layout: Layout) -> None:
     if layout.nodes != 1:
         raise SimulationError(f"torus-sim shm {what}: shared memory serves one node; this layout has "
-                              f"{layout.nodes}")
+                              f"{layout.nodes} (on the command line: --ranks-per-node {layout.N})")
 
 
 def _join(done: np.ndarray, a: float) -> np.ndarray:
