@@ -23,7 +23,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm, faults
-from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics  # noqa: F401 (files registers its stage)
+from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet  # noqa: F401 (files, quiet register their stages)
 from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables
 from torus.select import ALGORITHMS
 
