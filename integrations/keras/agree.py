@@ -9,14 +9,13 @@ bounded by the ``TorusComm``'s stall timeout) and raises ``torus.errors.Mismatch
 every rank, naming the ranks and their values, before any step.
 
 The record: the row count, ``batch_size``, ``validation_split``, the validation row count, ``epochs``,
-``initial_epoch``, ``steps_per_epoch`` and a :func:`fingerprint` of ``x``, ``y``, ``sample_weight`` and the validation
-arrays. The fingerprint (crc32) covers every array's shape and dtype and the bytes of a strided sample of its rows:
-about ``SAMPLE_NBYTES`` (1 MiB) per array, at least two rows, the first and the last always included, so a 100 GB
-array costs 1 MiB of reads. It catches arrays of other lengths, shapes or dtypes, other row orders or contents at the
-sampled rows (a hand shard, another shuffle, another file), other structure (dict keys are part of the order). It
-misses differences confined to rows it does not sample (with ``R`` rows and a sample of ``k``, roughly every ``R /
-k``-th row is read), and, for object arrays or inputs numpy cannot slice by rows, their contents (shape and dtype
-only).
+``initial_epoch``, ``steps_per_epoch`` and a :func:`fingerprint` of ``x``, ``y``, ``sample_weight`` and the
+validation arrays. The fingerprint (crc32) covers every array's shape and dtype and the bytes of a strided sample of
+its rows: about ``SAMPLE_NBYTES`` (1 MiB) per array, at least two rows, the first and the last always included, so a
+100 GB array costs 1 MiB of reads. It catches arrays of other lengths, shapes or dtypes, other row orders or
+contents at the sampled rows (a hand shard, another shuffle, another file), another number of arrays. It misses
+differences confined to rows it does not sample (with ``R`` rows and a sample of ``k``, roughly every ``R / k``-th
+row is read), and, for object arrays or inputs numpy cannot slice by rows, their contents (shape and dtype only).
 """
 from __future__ import annotations
 
@@ -65,7 +64,7 @@ def fingerprint(arrays) -> int:
         if a is None:
             continue
         shape = tuple(int(d) if d is not None else -1 for d in a.shape)
-        crc = zlib.crc32(repr((shape, str(a.dtype))).encode(), crc)
+        crc = zlib.crc32(repr((shape, _numpy_dtype(a).str)).encode(), crc)
         rows = shape[0] if shape else 0
         if rows <= 0:
             continue
