@@ -25,10 +25,16 @@ What each kind of input does (Keras turns every kind into a ``tf.data`` dataset 
   starts (unknown cardinality: one counting pass over the dataset) and equalised to the smallest with a
   warning naming every rank's count (``dataset.take``).
 
+Every rank passes the same arguments: where ``x`` is arrays / tensors the ranks first compare row counts,
+``batch_size``, validation rows and a sampled crc32 of the arrays (``agree.py``) and refuse, on every rank
+before any step, arrays that differ (``x[rank::size]`` sharded by hand would otherwise train on ``1 / N`` of
+the data, silently).
+
 Training needs equal per-rank batches for exactness (Keras' loss scaling by ``1 / N``), so ``fit`` refuses a
 global batch that does not split evenly: ``batch_size`` not a multiple of N, or a last partial batch of
 ``rows % batch_size`` rows not a multiple of N. Arrays are checked before anything runs (``ValueError``);
-datasets and generators when such a batch arrives (``tf.errors.InvalidArgumentError``; every rank reads the
+the message gives one ``batch_size`` and row count that satisfy both (:func:`even_fix`); datasets and
+generators when such a batch arrives (``tf.errors.InvalidArgumentError``; every rank reads the
 same batch, so all fail together). ``evaluate``, ``predict`` and fit's validation split any batch as evenly as
 possible (ranks may get one row more, or an empty batch), which the global metric averaging weighs by sample
 count; ``predict`` returns every row in input order on every rank (rows gathered per batch;
