@@ -250,7 +250,7 @@ def prepare_inputs(active, method: str, arguments: dict) -> dict:
             if strategy.is_chief:
                 warnings.warn("`shuffle=True` was passed, but will be ignored since the data `x` was provided as "
                               "a generator. The generator is expected to yield already-shuffled data.",
-                              stacklevel=4)
+                              stacklevel=3)  # the user's fit call
             arguments["shuffle"] = False
     x, shuffle = arguments["x"], arguments["shuffle"]
     clock = {"epoch": arguments["initial_epoch"]}
