@@ -25,10 +25,16 @@ What each kind of input does (Keras turns every kind into a ``tf.data`` dataset 
   starts (unknown cardinality: one counting pass over the dataset) and equalised to the smallest with a
   warning naming every rank's count (``dataset.take``).
 
+Every rank passes the same arguments: where ``x`` is arrays / tensors the ranks first compare row counts,
+``batch_size``, validation rows and a sampled crc32 of the arrays (``agree.py``) and refuse, on every rank
+before any step, arrays that differ (``x[rank::size]`` sharded by hand would otherwise train on ``1 / N`` of
+the data, silently).
+
 Training needs equal per-rank batches for exactness (Keras' loss scaling by ``1 / N``), so ``fit`` refuses a
 global batch that does not split evenly: ``batch_size`` not a multiple of N, or a last partial batch of
 ``rows % batch_size`` rows not a multiple of N. Arrays are checked before anything runs (``ValueError``);
-datasets and generators when such a batch arrives (``tf.errors.InvalidArgumentError``; every rank reads the
+the message gives one ``batch_size`` and row count that satisfy both (:func:`even_fix`); datasets and
+generators when such a batch arrives (``tf.errors.InvalidArgumentError``; every rank reads the
 same batch, so all fail together). ``evaluate``, ``predict`` and fit's validation split any batch as evenly as
 possible (ranks may get one row more, or an empty batch), which the global metric averaging weighs by sample
 count; ``predict`` returns every row in input order on every rank (rows gathered per batch;
@@ -46,7 +52,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
 
-from torus.integrations.keras import fit_hook
+from torus.integrations.keras import agree, fit_hook
 
 _MARK = "_torus_per_rank"
 _DEFAULT_BATCH = 32  # Keras' own default for arrays
@@ -180,21 +186,39 @@ def _agreed_seed(strategy) -> int:
     return strategy.torus_comm.comm.bcast(mine, root=0)
 
 
-def _check_even(strategy, rows: int, batch_size: int) -> None:
+def even_fix(rows: int, batch_size: int, size: int) -> tuple[int, int]:
+    """The ``(batch_size, rows)`` closest below the given ones (``batch_size`` at least ``size``) with which every
+    global batch, the last partial one too, splits evenly over ``size`` ranks. Both must be multiples of
+    ``size``, and that suffices: then every full batch and the last one, ``rows % batch_size``, are too.
+    ``rows`` comes back 0 when there are fewer rows than ranks."""
+    return batch_size - batch_size % size or size, rows - rows % size
+
+
+def _check_even(strategy, rows: int, batch_size: int, validation_split: float = 0.0) -> None:
     size = strategy.size
     last = rows % batch_size
-    if batch_size % size or last % size:
-        if batch_size % size:
-            what = f"batch_size={batch_size} is not a multiple of {size} ranks"
-            fix = f"e.g. batch_size={max(size, batch_size - batch_size % size)}"
-        else:
-            what = (f"the last batch of each epoch holds {last} rows ({rows} rows, batch_size={batch_size}), "
+    if not batch_size % size and not last % size:
+        return
+    what = []
+    if batch_size % size:
+        what.append(f"batch_size={batch_size} is not a multiple of {size} ranks")
+    if last % size:
+        what.append(f"the last batch of each epoch holds {last} rows ({rows} rows, batch_size={batch_size}), "
                     f"not a multiple of {size} ranks")
-            fix = f"e.g. x[:{rows - last % size}]"
-        raise ValueError(f"TorusStrategy fit on rank {strategy.rank}: {what}. batch_size is the global batch "
-                         "and every rank needs an equal share for the result to equal one process' (Keras "
-                         f"scales each rank's loss by 1/ranks); choose batch_size and the number of rows ({fix}) "
-                         "so both split evenly, or pass per-rank data with strategy.shard(tf.data.Dataset...)")
+    batch, keep = even_fix(rows, batch_size, size)
+    training = f" of the {rows} that validation_split={validation_split:g} leaves" if validation_split else ""
+    if keep == 0:
+        fix = f"there are fewer training rows ({rows}) than ranks: pass more rows or run on fewer ranks"
+    elif keep == rows:
+        fix = f"e.g. batch_size={batch} and all {rows} rows"
+    else:
+        fix = f"e.g. batch_size={batch} and the first {keep} training rows{training} (x[:{keep}], y and " \
+              "sample_weight alike)"
+    raise ValueError(f"TorusStrategy fit on rank {strategy.rank}: {'; '.join(what)}. batch_size is the global "
+                     "batch and every rank needs an equal share of every batch, the last one too, for the result "
+                     "to equal one process' (Keras scales each rank's loss by 1/ranks): batch_size and the number "
+                     f"of training rows must both be multiples of {size} ({fix}), or pass per-rank data with "
+                     "strategy.shard(tf.data.Dataset...)")
 
 
 def torus_strategy_of(model):
@@ -209,6 +233,7 @@ def prepare_inputs(active, method: str, arguments: dict) -> dict:
     strategy = torus_strategy_of(arguments["self"])
     if strategy is None:
         return arguments
+    agree.agree_arrays(strategy, method, arguments)
     _state["next"] = "train" if method == "fit" else "eval"
     if method == "predict" and strategy.size > 1 and arguments["self"].steps_per_execution > 1:
         raise ValueError(f"TorusStrategy predict on rank {strategy.rank}: steps_per_execution > 1 is not "
@@ -221,17 +246,25 @@ def prepare_inputs(active, method: str, arguments: dict) -> dict:
         arguments["validation_data"] = Replay(arguments["validation_data"]).dataset()
     if _is_generator(arguments["x"]):
         arguments["x"] = Replay(arguments["x"]).dataset()
+        if arguments["shuffle"]:  # Keras' own warning, which the dataset above would turn into one about tf.data
+            if strategy.is_chief:
+                warnings.warn("`shuffle=True` was passed, but will be ignored since the data `x` was provided as "
+                              "a generator. The generator is expected to yield already-shuffled data.",
+                              stacklevel=3)  # the user's fit call
+            arguments["shuffle"] = False
     x, shuffle = arguments["x"], arguments["shuffle"]
     clock = {"epoch": arguments["initial_epoch"]}
     _state["clock"] = clock
     if array_data_adapter.can_convert_arrays((x, arguments["y"], arguments["sample_weight"])):
+        split = 0.0
         if arguments["validation_split"] and arguments["validation_data"] is None:
             (x, y, sw), validation = array_slicing.train_validation_split(
                 (x, arguments["y"], arguments["sample_weight"]), validation_split=arguments["validation_split"])
+            split = arguments["validation_split"]
             arguments.update(x=x, y=y, sample_weight=sw, validation_data=validation, validation_split=0.0)
         batch_size = arguments["batch_size"] or _DEFAULT_BATCH
         rows = int(keras.tree.flatten(x)[0].shape[0])
-        _check_even(strategy, rows, batch_size)
+        _check_even(strategy, rows, batch_size, split)
         if shuffle:
             source = (arguments["x"], arguments["y"], arguments["sample_weight"])
             arguments.update(x=AgreedOrder(source, _agreed_seed(strategy), clock, batch_size=batch_size,

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm, faults
-from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics  # noqa: F401 (files registers its stage)
+from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet  # noqa: F401 (files, quiet register their stages)
 from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables
 from torus.select import ALGORITHMS
 
@@ -117,7 +117,8 @@ class TorusStrategy(tf.distribute.Strategy):
     ``strategy.callbacks()`` returns ``[]`` (kept for existing code). ``jit_compile=True`` is refused at the
     start of ``fit`` / ``evaluate`` (XLA cannot compile the ``tf.numpy_function``); Keras' default ``"auto"``
     resolves to False for a model compiled under the scope, but to True on a machine with a GPU for one
-    compiled outside it. Only the chief (rank 0) should print. ``train_on_batch`` / ``test_on_batch`` are not
+    compiled outside it. Only the chief (rank 0) prints: the other ranks run with ``verbose=0`` and Keras' own
+callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``train_on_batch`` / ``test_on_batch`` are not
     wrapped: they all-reduce gradients (Keras' own late all-reduce, so clipping and the loss-scale check stay
     local) and return global metrics, but broadcast nothing and do not move a model created outside the scope.
     ``BatchNormalization`` normalizes over each rank's part of the batch unless ``synchronized=True``.

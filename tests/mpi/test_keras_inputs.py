@@ -209,3 +209,127 @@ def test_plain_dataset_shard_is_per_rank(world, strategy):
     ref = build()
     plain("fit")(ref, x[order], y[order], batch_size=B, epochs=1, shuffle=False, verbose=0)
     assert_matches(world, model, ref, "Dataset.shard")
+
+
+def _same_everywhere(world, text):
+    return all(t == text for t in world.allgather(text))
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() == 1, reason="one rank has nothing to disagree with")
+def test_hand_sharded_arrays_are_refused_before_any_step(world, strategy):
+    """x[rank::size] (Horovod's habit), other row counts, other batch sizes: a MismatchError on every rank
+    naming the ranks, and the weights still the initial ones (no step ran)."""
+    rank, size = strategy.rank, strategy.size
+    x, y = data(12 * B, seed=11)
+    model, fresh = build(strategy), build()
+    others = "rank 1" if size == 2 else "ranks 1, 2"
+    cases = [
+        ("fit", dict(x=x[rank::size], y=y[rank::size], batch_size=B), r"ranks passed different x \(0x"),
+        ("fit", dict(x=x[:B * (4 + (rank > 0))], y=y[:B * (4 + (rank > 0))], batch_size=B),
+         rf"row count \({4 * B} on rank 0; {5 * B} on {others}\)"),
+        ("fit", dict(x=x, y=y, batch_size=B * (1 + (rank > 0))), rf"batch_size \({B} on rank 0; {2 * B} on {others}\)"),
+        ("fit", dict(x=x, y=y, batch_size=B, validation_data=(x[rank::size], y[rank::size])),
+         r"validation data \(0x"),
+        ("evaluate", dict(x=x[rank::size], y=y[rank::size], batch_size=B), r"ranks passed different x \(0x"),
+        ("predict", dict(x=x[rank::size], batch_size=B), r"ranks passed different x \(0x"),
+    ]
+    for method, kwargs, pattern in cases:
+        with pytest.raises(ValueError, match=pattern) as caught:
+            getattr(model, method)(verbose=0, **kwargs)
+        said = str(caught.value)
+        assert said.startswith(f"TorusStrategy {method} on rank {rank}: ranks passed different"), said
+        assert _same_everywhere(world, said.split(": ", 1)[1]), said
+        if "x (" in said or "row count" in said:
+            assert "do not shard them yourself (x[rank::size])" in said and "strategy.shard(" in said, said
+    for got, want in zip(model.get_weights(), fresh.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_fingerprint_sees_first_last_rows_order_shape_dtype():
+    from torus.integrations.keras.agree import SAMPLE_NBYTES, fingerprint
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((5000, 300)).astype(np.float32)  # 1.2 KiB rows: a sample of ~870 of 5000
+    base = fingerprint(x)
+    assert fingerprint(x.copy()) == base and fingerprint(tf.constant(x)) == base
+    for changed in (0, len(x) - 1):
+        other = x.copy()
+        other[changed, 7] += 1
+        assert fingerprint(other) != base, changed
+    assert fingerprint(x[::-1]) != base and fingerprint(x[:-1]) != base
+    assert fingerprint(x.astype(np.float64)) != base and fingerprint(x.reshape(5000, 30, 10)) != base
+    assert fingerprint((x, None)) == base and fingerprint((x, x[:, :1])) != base
+    assert SAMPLE_NBYTES == 1 << 20
+
+
+def test_even_fix_satisfies_the_check():
+    """The suggested (batch_size, rows) split every batch evenly, with the most rows any even split keeps
+    (a brute-force search over all batch sizes) and the largest batch_size multiple not above the given one."""
+    from torus.integrations.keras.inputs import even_fix
+
+    def splits(rows, batch, size):
+        return rows > 0 and all(min(batch, rows - s) % size == 0 for s in range(0, rows, batch))
+    for size in range(1, 7):
+        for rows in range(1, 90):
+            best = max([r for r in range(1, rows + 1) if any(splits(r, b, size) for b in range(1, r + 1))],
+                       default=0)
+            for batch in range(1, 40):
+                b, keep = even_fix(rows, batch, size)
+                assert keep == best, (rows, batch, size)
+                if keep:
+                    assert splits(keep, b, size), (rows, batch, size, b, keep)
+                assert b % size == 0 and (b <= batch or b == size), (batch, size, b)
+                assert b > batch - size, (batch, size, b)
+    assert even_fix(1000, 64, 3) == (63, 999)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() == 1, reason="any split works on one rank")
+def test_refusal_names_a_fix_for_both(world, strategy):
+    """101 rows in batches of 13: one refusal whose suggested pair then trains like one process."""
+    size = strategy.size
+    x, y = data(101, seed=13)
+    model = build(strategy)
+    with pytest.raises(ValueError, match=rf"batch_size=13 is not a multiple of {size} ranks") as caught:
+        model.fit(x, y, batch_size=13, shuffle=False, verbose=0)
+    batch, keep = 13 - 13 % size, 101 - 101 % size
+    assert f"e.g. batch_size={batch} and the first {keep} training rows" in str(caught.value), caught.value
+    model.fit(x[:keep], y[:keep], batch_size=batch, shuffle=False, verbose=0)
+    ref = build()
+    plain("fit")(ref, x[:keep], y[:keep], batch_size=batch, shuffle=False, verbose=0)
+    assert_matches(world, model, ref, "the suggested fix")
+
+
+class Says(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        print(f"user callback on rank {MPI.COMM_WORLD.Get_rank()}")
+
+
+def test_only_the_chief_prints(world, strategy, capfd, tmp_path):
+    """verbose=1 and Keras' callbacks with verbose=1 print on rank 0 only; a user callback prints everywhere."""
+    x, y = data(48, seed=14)
+    model = build(strategy)
+    callbacks = [keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"), save_weights_only=True, verbose=1),
+                 keras.callbacks.ReduceLROnPlateau("loss", patience=0, min_delta=1e9, verbose=1),
+                 keras.callbacks.EarlyStopping("loss", patience=0, min_delta=1e9, verbose=1), Says()]
+    capfd.readouterr()
+    model.fit(x, y, batch_size=B, epochs=3, callbacks=callbacks, verbose=1)
+    model.evaluate(x, y, batch_size=B, verbose=1)
+    model.predict(x, batch_size=B, verbose="auto")
+    out = capfd.readouterr().out
+    assert out.count(f"user callback on rank {strategy.rank}") == 2, out  # stopped after epoch 2
+    chief = ("saving model to", "reducing learning rate", "early stopping", "/step")
+    for text in chief:
+        assert (text in out) == strategy.is_chief, (text, out)
+    assert out.count("/step") >= 4 or not strategy.is_chief, out  # 2 epochs, evaluate, predict
+    assert [c.verbose for c in callbacks[:3]] == [int(strategy.is_chief)] * 3
+
+
+def test_generator_shuffle_warning_says_generator(world, strategy):
+    x, y = data(24, seed=15)
+    model = build(strategy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(((x[i:i + B], y[i:i + B]) for i in range(0, 24, B)), verbose=0)
+    said = [w for w in caught if "`shuffle=True` was passed" in str(w.message)]
+    assert not any("tf.data.Dataset" in str(w.message) for w in said), said
+    assert [w.filename for w in said if "provided as a generator" in str(w.message)] \
+        == [__file__] * strategy.is_chief, said  # pointing at the user's fit call, as Keras' own does
