@@ -8,10 +8,21 @@ standalone ``evaluate`` / ``predict`` it broadcasts the model variables, so ever
 model. Broadcasting after the first batch, as Horovod's callback does, would apply step 1 to weights that
 differ between ranks. The validation ``evaluate`` inside ``fit`` reuses fit's callback list, which holds the
 callback already: nothing is added or broadcast again, and ``strategy.callbacks()`` adds nothing (it is ``[]``).
+
+Random layers (Dropout, GaussianNoise, random augmentation): their ``SeedGenerator`` states are model
+variables, so the broadcast would give every rank rank 0's stream, and each rank would draw the same mask
+for its share of the batch (rows ``i`` of every rank dropped alike). After each broadcast every rank
+offsets the first word of each state by ``rank * SEED_SPREAD`` (rank 0 keeps its own): independent draws per
+rank, still a function of rank 0's state, so a resumed run (rank 0's checkpoint, broadcast, offset) draws
+what the uninterrupted one would (Keras advances a state by adding ``[0, 1]``, which commutes with the
+offset). One process' masks are not reproduced: N ranks draw N streams for a batch one process draws from one.
 """
 from __future__ import annotations
 
 import keras
+import numpy as np
+
+SEED_SPREAD = 0x9E3779B9  # 2^32 / golden ratio: rank offsets far apart from any seed Keras draws nearby
 
 
 class InitialState(keras.callbacks.Callback):
@@ -29,17 +40,28 @@ class InitialState(keras.callbacks.Callback):
         if not optimizer.built:
             with self.strategy.scope():
                 optimizer.build(model.trainable_variables)
-        self.strategy.broadcast_variables(list(model.variables) + list(optimizer.variables))
+        self._broadcast(list(model.variables) + list(optimizer.variables))
 
     def on_train_end(self, logs=None):
         self._fitting = False
 
     def on_test_begin(self, logs=None):
         if not self._fitting:
-            self.strategy.broadcast_variables(self.model.variables)
+            self._broadcast(self.model.variables)
 
     def on_predict_begin(self, logs=None):
-        self.strategy.broadcast_variables(self.model.variables)
+        self._broadcast(self.model.variables)
+
+    def _broadcast(self, variables) -> None:
+        self.strategy.broadcast_variables(variables)
+        rank = self.strategy.rank
+        if not rank:
+            return
+        for v in self.model.variables:
+            if v.path.endswith("seed_generator_state"):  # keras.random.SeedGenerator's variable
+                state = np.array(v.numpy())
+                state[0] += rank * SEED_SPREAD
+                v.assign(state)
 
 
 def add_initial_state(strategy, method: str, arguments: dict) -> dict:

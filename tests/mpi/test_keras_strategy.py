@@ -219,3 +219,19 @@ def test_repeated_evaluate_peeks_and_drops_iterators_safely(world, strategy):
         want = ref.evaluate(x, y, batch_size=4, verbose=0)
     for _ in range(15):
         assert model.evaluate(x, y, batch_size=4, verbose=0) == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="masks of other ranks need a second rank")
+def test_dropout_draws_other_masks_on_every_rank(world, strategy):
+    """Rank 0's variables are broadcast, seed states included, yet after fit each rank's Dropout draws masks
+    of its own (with rank 0's stream on every rank, row i of every rank's share would be dropped alike)."""
+    keras.utils.set_random_seed(3)
+    x, y = data()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    kept = np.asarray(model.layers[0](np.ones((64, 6), np.float32), training=True)) != 0
+    masks = world.allgather(kept)
+    assert 0.3 < kept.mean() < 0.7, kept.mean()  # a Dropout(0.5) mask, not all kept
+    assert all((m != masks[0]).any() for m in masks[1:]), "every rank drew rank 0's mask"
