@@ -318,6 +318,12 @@ def mark_left(int64_t base):
     torus_flag_store(<uint64_t*>(region + REDUCED), torus_flag_load(<uint64_t*>(region + REDUCED)))
 
 
+def left_ranks(const int64_t[::1] bases, int rank):
+    """The ranks other than ``rank`` whose region holds the ``mark_left`` mark."""
+    return [q for q in range(bases.shape[0])
+            if q != rank and torus_flag_load(<const uint64_t*>(<char*>bases[q] + LEFT))]
+
+
 def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, const int64_t[::1] counts,
                const int64_t[::1] displs, int64_t slot_bytes, int kind, int item, int op, double scale,
                int nthreads, double timeout, int spin, uint64_t seq, uint64_t sig):

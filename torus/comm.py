@@ -19,7 +19,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from torus import agreement, buffers, faults, kernels, link, options
+from torus import agreement, buffers, kernels, link, options
 from torus.errors import TorusError
 from torus.runtime import memory
 from torus.runtime.executor import Executor
@@ -100,7 +100,6 @@ class TorusComm:
         o = options.resolve(rank, size, dims, segment_bytes, check, timeout, gpu_reduce, link_gbits,
                             ranks_per_node, shm_phases)
         self.comm = base.Dup()
-        faults.watch(self.comm)  # a peer whose Python exits says so: waits for it end then, not at the timeout
         self.rank, self.size, self.check, self.gpu_reduce = rank, size, o.check, o.gpu_reduce
         self.topology = t = options.discover(self.comm, o)
         self.dims, self.segment_bytes = t.dims, o.segment_for(t)
@@ -296,7 +295,6 @@ class TorusComm:
         TorusError."""
         self._usable("Free")
         self._released = True
-        faults.unwatch(self.comm)
         agreement.finish(self._announcements, self.rank, self._executor.timeout, "Free")
         self._shm.free()
         for transport in self._node_shm.values():

@@ -15,19 +15,21 @@ the same sequence with torus):
 torus closes that gap in two parts. :func:`abort_on_exception` (opt-in; ``python -m mpi4py script.py`` does the
 same for a whole script and also aborts on ``sys.exit`` with a non-zero status) turns an uncaught exception on
 any rank into ``MPI_Abort``, which ends the job at once. A rank that leaves through ``sys.exit`` (or returns from
-``main`` early, or only rank 0 makes a call) says so at Python's exit, before ``MPI_Finalize``: an empty message
-with ``EXIT_TAG`` to every peer of each TorusComm's communicator (:func:`watch`), and a mark in its
-shared-memory region (:func:`at_exit`). A survivor waiting on it then raises :class:`torus.errors.TimeoutError`
-naming that rank: over shared memory at once (the departed rank stored its flags before it left, so a flag
-still missing never comes), in :func:`wait` once the wait has lasted ``LEFT_GRACE_S`` (MPI does not order the
-notice after that rank's last data messages on other communicators). Otherwise the survivors' stall timeout
-(``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``) catches it: every torus collective, including the argument
-check, raises :class:`torus.errors.TimeoutError` naming the operation after ``timeout`` seconds without
-progress; with :func:`abort_on_exception` that uncaught error aborts the job. Not covered by the notice: waits
-in the C step loop (``check=False`` with ring, hierarchical or torus2d: the stall timeout), a wait on a
-communicator whose peers all stay while another rank has left that lasts ``LEFT_GRACE_S`` (it raises too).
-Not covered at all: a survivor blocked in an MPI call outside torus (``algorithm="native"``, the caller's own
-``comm.Allreduce``) waits forever, since MPI's blocking calls have no timeout.
+``main`` early, or only rank 0 makes a call) marks so at Python's exit, before ``MPI_Finalize``, in its region
+of each shared-memory window it has open (:func:`at_exit`; a TorusComm opens one at its first shm call, as
+``fit``'s gradient all-reduce does on one node). A survivor on the same node waiting on it then raises
+:class:`torus.errors.TimeoutError` naming that rank: over shared memory at once (the departed rank stored its
+flags before it left, so a flag still missing never comes), in :func:`wait` once the wait has lasted
+``LEFT_GRACE_S`` (its last MPI messages may still be on their way). No MPI message is sent at exit (an
+unreceived one is a warning at MPI_Finalize across hosts, and a send to a peer that has gone may fail).
+Otherwise the survivors' stall timeout (``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``) catches it: every torus
+collective, including the argument check, raises :class:`torus.errors.TimeoutError` naming the operation after
+``timeout`` seconds without progress; with :func:`abort_on_exception` that uncaught error aborts the job. Not
+covered by the mark: ranks on other nodes, a TorusComm that never ran shm, waits in the C step loop
+(``check=False`` with ring, hierarchical or torus2d); and a wait among survivors that lasts ``LEFT_GRACE_S``
+after some rank has left raises too. Not covered at all: a survivor blocked in an MPI call outside torus
+(``algorithm="native"``, the caller's own ``comm.Allreduce``) waits forever: MPI's blocking calls have no
+timeout.
 
 ``MPI_Abort`` itself may fail to end a rank: across hosts, on a host whose link is cut, it reaches the local
 hydra proxy but the proxy cannot reach ``mpiexec``, and (measured on an emulated cluster, tests/cluster)
@@ -61,24 +63,21 @@ ABORT_GRACE_S = 0.5
 ABORT_TIMEOUT_S = 10.0
 EXIT_AFTER_STALL = 3  # the watchdog at exit after a stall: this many abort timeouts
 _stalled = False  # set when this process raised a stall timeout: its communicators may never finish
-# The tag of a "this rank's Python is exiting" notice: one above every step tag (runtime/compile.py's TAG_MOD
-# wraps step indices below 32767, and MPI guarantees tags up to at least 32767).
-EXIT_TAG = 32767
-# A wait that has run this long while some peer has announced its exit raises: the peer cannot take part in
-# a call it has not finished (long enough for a departed peer's last messages to arrive).
+# A wait that has run this long while a peer's Python has exited raises: that peer cannot take part in a
+# call it has not finished (long enough for its last messages to arrive).
 LEFT_GRACE_S = float(os.environ.get("TORUS_LEFT_GRACE", 5.0))
-_PROBE_AFTER_S = 0.02  # a wait starts probing for exit notices after this, then every _PROBE_EVERY_S
+_PROBE_AFTER_S = 0.02  # a wait starts looking for departed peers after this, then every _PROBE_EVERY_S
 _PROBE_EVERY_S = 0.01
-_watched: dict = {}  # id -> communicator whose peers are told when this process exits (TorusComm's own)
+_left_probes: dict = {}  # id(owner) -> () -> "rank 1" / "ranks 1, 3" whose Python exited, or "" (left_probe)
 _exit_notices: dict = {}  # id(owner) -> what tells its peers when this process exits (at_exit)
 
 
 def wait(req: MPI.Request, timeout: float | None, message) -> None:
     """Complete ``req``, or raise :class:`torus.errors.TimeoutError` with ``message()`` after ``timeout`` s,
-    or after ``LEFT_GRACE_S`` (5 s, ``TORUS_LEFT_GRACE``) once a peer has announced that its Python exited
-    (:func:`watch`): then the message names that peer instead of the stall.
+    or after ``LEFT_GRACE_S`` (5 s, ``TORUS_LEFT_GRACE``) once a peer's Python has exited (:func:`at_exit`'s
+    probes): then the message names that peer instead of the stall.
 
-    ``timeout`` None waits in ``MPI_Wait`` (no polling cost, no exit notices). ``message`` is called only on
+    ``timeout`` None waits in ``MPI_Wait`` (no polling cost, no departed peers). ``message`` is called only on
     failure, so callers build the text lazily: ``"<operation> on rank <r>: <why>"``."""
     if timeout is None:
         req.Wait()
@@ -95,9 +94,9 @@ def wait(req: MPI.Request, timeout: float | None, message) -> None:
         if now > deadline:
             _stall()
             raise TorusTimeout(message())
-        if _watched and now > probe:
+        if _left_probes and now > probe:
             probe = now + _PROBE_EVERY_S
-            left = _left()
+            left = next((who for who in (p() for p in list(_left_probes.values())) if who), "")
             if left and now - start > LEFT_GRACE_S:
                 _stall()
                 raise TorusTimeout(f"{message().split(': ', 1)[0]}: {left} left the job (Python exited there) "
@@ -106,49 +105,23 @@ def wait(req: MPI.Request, timeout: float | None, message) -> None:
                                    "evaluate and predict too: call them on every rank, not on rank 0 alone)")
 
 
-def watch(comm: MPI.Comm) -> None:
-    """Tell ``comm``'s other ranks when this process exits (a notice at Python's exit, before MPI_Finalize),
-    so that their waits in :func:`wait` end with an error naming this rank instead of the stall timeout.
-    Until :func:`unwatch` (before ``comm`` is freed)."""
-    _watched[id(comm)] = comm
-
-
-def unwatch(comm: MPI.Comm) -> None:
-    _watched.pop(id(comm), None)
-
-
-def _left() -> str:
-    """"rank 1" / "ranks 1, 3" (in a watched communicator) whose exit notice has arrived, or ""."""
-    for comm in list(_watched.values()):
-        gone = [r for r in range(comm.Get_size()) if r != comm.Get_rank() and comm.Iprobe(r, EXIT_TAG)]
-        if gone:
-            return ("rank " if len(gone) == 1 else "ranks ") + ", ".join(map(str, gone))
-    return ""
-
-
-def at_exit(owner, notice) -> None:
-    """Call ``notice()`` when this process's Python exits (before MPI_Finalize), until :func:`cancel_at_exit`
-    of ``owner``: how a transport that waits outside :func:`wait` (shared memory) hears of a departed peer."""
+def at_exit(owner, notice, left) -> None:
+    """Until :func:`cancel_at_exit` of ``owner``: call ``notice()`` when this process's Python exits (before
+    MPI_Finalize), and let :func:`wait` call ``left()`` for the peers whose ``notice`` has run ("rank 1" /
+    "ranks 1, 3", or ""). The shared-memory transport's marks in its window: memory reads, no messages."""
     _exit_notices[id(owner)] = notice
+    _left_probes[id(owner)] = left
 
 
 def cancel_at_exit(owner) -> None:
     _exit_notices.pop(id(owner), None)
+    _left_probes.pop(id(owner), None)
 
 
 @atexit.register  # registered after mpi4py's MPI_Finalize (imported above): runs before it
 def _announce_exit() -> None:
     for notice in list(_exit_notices.values()):
         notice()
-    if not _watched or MPI.Is_finalized():
-        return
-    reqs = []
-    for comm in _watched.values():
-        me = comm.Get_rank()
-        reqs += [comm.Isend([b"", MPI.BYTE], r, EXIT_TAG) for r in range(comm.Get_size()) if r != me]
-    end = time.monotonic() + 1.0  # an empty message completes at once; never hold the exit up for long
-    while reqs and not MPI.Request.Testall(reqs) and time.monotonic() < end:
-        os.sched_yield()
 
 
 def _stall() -> None:

@@ -209,7 +209,12 @@ class SharedMemory:
         self._bases = np.array([win.Shared_query(q)[0].address for q in range(size)], np.int64)
         self._win = win
         self.comm.Barrier()  # every rank's flags are zero before anyone looks at them
-        faults.at_exit(self, functools.partial(_shm.mark_left, int(self._bases[self.rank])))
+        faults.at_exit(self, functools.partial(_shm.mark_left, int(self._bases[self.rank])), self._left)
+
+    def _left(self) -> str:
+        """The peers whose Python has exited (their mark in the window), as "rank 1" / "ranks 1, 3", or ""."""
+        gone = [self.members[q] for q in _shm.left_ranks(self._bases, self.rank)]
+        return ("rank " if len(gone) == 1 else "ranks ") + ", ".join(map(str, gone)) if gone else ""
 
     def _prepare(self, collective: str, out: np.ndarray, counts, op: str, window):
         """What a call shape needs, decided once: (mode, counts, displs, segment in elements, kernel kind,
