@@ -26,8 +26,9 @@ def no_tensorflow(tmp_path_factory) -> Path:
     return root
 
 
-def _job(module: str, *args: str, ranks: int = 2, pythonpath: Path | None = None):
+def _job(module: str, *args: str, ranks: int = 2, pythonpath: Path | None = None, **env_vars: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_LOCAL"))}
+    env.update(env_vars)
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
     cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", module, *args]
@@ -79,6 +80,20 @@ def test_bench_usage_error_is_one_line(args, expected):
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("torus-bench: error: ") and expected in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--algo", "ring,shm"], ["--alloc"]])
+def test_bench_shared_memory_across_nodes_is_a_usage_error(args):
+    """Two emulated nodes of one rank: shm and alloc buffers are refused in one line before the sweep, and the
+    default algorithm list leaves shm out instead of failing mid-sweep."""
+    proc = _job("torus.bench.cli", "allreduce", *args, TORUS_RANKS_PER_NODE="1")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "needs every rank on one node; these 2 ranks are on 2 nodes" in lines[0], lines
+    proc = _job("torus.bench.cli", "allreduce", "-e", "64", "-n", "1", "-w", "0", TORUS_RANKS_PER_NODE="1")
+    assert proc.returncode == 0, proc.stderr
+    algos = {line.split()[4] for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()}
+    assert "shm" not in algos and {"ring", "native"} <= algos, proc.stdout
 
 
 def test_bench_help_shows_sizes_in_units():

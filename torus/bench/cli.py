@@ -114,6 +114,11 @@ def main(argv=None) -> int:
     except cli.JobError as e:
         return cli.report(world, "torus-bench", e)
     cli.abort_on_error(world, "torus-bench", args.debug)
+    if tc.topology.nodes > 1:  # shared memory serves one node: refused up front, or left out of the default list
+        if args.alloc or args.algo != _algorithms(ap.get_default("algo")) and "shm" in args.algo:
+            ap.error(f"{'--alloc' if args.alloc else '--algo shm'} needs every rank on one node; these "
+                     f"{tc.size} ranks are on {tc.topology.nodes} nodes")
+        args.algo = [a for a in args.algo if a != "shm"]
     sizes = moved_sizes(args.collective, steps, dtype.itemsize, tc.size)
     op = args.op if args.collective != "allgather" else "none"
     settings = {"collective": args.collective, "sizes": sizes, "algorithms": args.algo, "dtype": str(dtype),
