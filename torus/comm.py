@@ -31,6 +31,9 @@ from torus.shapes import Shapes
 GPU_REDUCE_MIN_BYTES = 16 << 20
 
 
+_MPI_OPS = ((MPI.SUM, "sum"), (MPI.MIN, "min"), (MPI.MAX, "max"), (MPI.PROD, "prod"))  # MPI.Op is unhashable
+
+
 class TorusComm:
     """A communicator arranged as a periodic ``X x Y`` grid (``X`` ranks along a row).
 
@@ -160,6 +163,8 @@ class TorusComm:
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
         """Resolve, choose, agree and run one call; returns what the collective returns."""
         self._usable(spec.name)
+        if isinstance(op, MPI.Op):  # mpi4py's habit: MPI.SUM etc. name the same reductions
+            op = next((name for mpi_op, name in _MPI_OPS if op == mpi_op), op)
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)
         algo, phased, mine, pre, scale = self._shapes.get(spec.name, algorithm, op, p)
         self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
@@ -226,7 +231,8 @@ class TorusComm:
         sendbuf: any shape, C-contiguous, ``count`` elements; or ``MPI.IN_PLACE`` (then ``recvbuf`` is input
         and output). recvbuf: ``count`` elements of the same dtype (any shape, C-contiguous, writable), or None
         to allocate ``empty_like(sendbuf)``. Returns recvbuf. Every rank's result is bitwise identical for
-        every algorithm (each element is reduced once, on its owner, and copied to the others).
+        every algorithm (each element is reduced once, on its owner, and copied to the others). ``op``: "sum",
+        "avg", "min", "max" or "prod" (mpi4py's MPI.SUM, MPI.MIN, MPI.MAX, MPI.PROD too, in every collective).
         ``op="avg"`` (floating dtypes only: for integers it is a TypeError, use "sum" and divide) does not
         overflow where the mean fits (torus.ops.avg_factors). Raises ValueError/TypeError on bad input and
         MismatchError when ranks disagree; see the class docstring.
@@ -265,9 +271,9 @@ class TorusComm:
         (a slice, out of place, reduce-scatter) takes the ordinary path.
 
         Raises ValueError when the ranks span several nodes or ``count`` is negative, TypeError for a dtype
-        torus does not reduce, MemoryError (on every rank) when the node's /dev/shm cannot hold it,
-        MismatchError (every rank) when ranks pass another count or dtype, TimeoutError when some rank does
-        not call it within the stall timeout."""
+        torus does not reduce or a ``count`` that is not an integer, MemoryError (on every rank) when the
+        node's /dev/shm cannot hold it, MismatchError (every rank) when ranks pass another count or dtype,
+        TimeoutError when some rank does not call it within the stall timeout."""
         self._usable("alloc")
         return self._shm.alloc("alloc", count, dtype, self.topology.nodes)
 

@@ -43,7 +43,8 @@ def avg_factors(dtype: np.dtype, size: int) -> tuple:
 def check_op_dtype(operation: str, rank: int, op: str, dtype) -> np.dtype:
     """Return ``np.dtype(dtype)`` if ``op`` applies to it; raise ``ValueError``/``TypeError`` naming the call."""
     if op not in OPS:
-        raise ValueError(f"{operation} on rank {rank}: unknown op {op!r}; expected one of {', '.join(OPS)}")
+        raise ValueError(f"{operation} on rank {rank}: unknown op {op!r}; expected one of {', '.join(OPS)} (or "
+                         "mpi4py's MPI.SUM, MPI.MIN, MPI.MAX, MPI.PROD)")
     dt = np.dtype(dtype)
     if dt not in DTYPE_CODE:
         names = ", ".join(str(d) for d in DTYPES)

@@ -24,6 +24,7 @@ from collections import OrderedDict
 import numpy as np
 
 from torus import IN_PLACE, kernels
+from torus.errors import MismatchError
 
 ALIGN = 64  # bytes: TensorFlow shares a numpy_function output's memory only at its alignment (EIGEN_MAX_ALIGN_BYTES)
 MAX_LAYOUTS = 8  # shared buffers kept (a model's gradients, its metric states, a few more)
@@ -66,6 +67,9 @@ class WindowBuffers:
             self._plain.discard(old_key)
         try:
             buf = self.torus_comm.alloc(count, wire)
+        except MismatchError as e:  # alloc's agreement is the first collective of an all-reduce of a new size
+            raise MismatchError(f"allreduce of tensors on rank {self.torus_comm.rank}: ranks passed tensors of "
+                                f"another total size or dtype (their fused buffer: {e})") from e
         except MemoryError:  # the node's /dev/shm cannot hold it (raised on every rank): an ordinary buffer,
             buf = np.empty(count, wire)  # all-reduced in place by the ordinary path (one copy in more)
             self._plain.add(key)

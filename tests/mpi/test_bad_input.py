@@ -14,6 +14,7 @@ import copy
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import torus
 from oracle import SIZE, WORLD, assert_matches, expected, make
@@ -89,6 +90,7 @@ ALLREDUCE = {
     "avg on int32": (TypeError, lambda t: t.allreduce(_ints(N), op="avg")),
     "avg on int64": (TypeError, lambda t: t.allreduce(np.zeros(N, np.int64), op="avg", algorithm="ring")),
     "unknown op": (ValueError, lambda t: t.allreduce(np.zeros(N, F32), op="mean")),
+    "unknown MPI op": (ValueError, lambda t: t.allreduce(np.zeros(N, np.int32), op=MPI.BAND)),
     "unknown algorithm": (ValueError, lambda t: t.allreduce(np.zeros(N, F32), algorithm="butterfly")),
     "list sendbuf": (TypeError, lambda t: t.allreduce([1.0] * N)),
     "strided sendbuf": (ValueError, lambda t: t.allreduce(np.zeros(2 * N, F32)[::2])),
@@ -185,3 +187,14 @@ def test_device_array_without_a_usable_gpu_is_refused_before_any_message(world):
                                         "numba.cuda cannot use it here"):
         tc.allreduce(FakeDevice())
     tc.Free()
+
+
+@pytest.mark.parametrize("mpi_op, op", [(MPI.SUM, "sum"), (MPI.MIN, "min"), (MPI.MAX, "max"),
+                                        (MPI.PROD, "prod")])
+def test_mpi4py_ops_name_the_same_reductions(real, rng, mpi_op, op):
+    """mpi4py's MPI.SUM etc. are taken for the names, matching MPI_Allreduce with that op."""
+    x = make(rng, np.int64, op, 37)
+    ref = np.empty_like(x)
+    WORLD.Allreduce(x, ref, op=mpi_op)
+    for algo in torus.ALGORITHMS:
+        np.testing.assert_array_equal(real.allreduce(x, op=mpi_op, algorithm=algo), ref, f"{op} {algo}")

@@ -384,3 +384,17 @@ def test_alloc_is_refused_across_nodes():
     with pytest.raises(TypeError, match=f"alloc on rank {RANK}: dtype complex64"):
         tc.alloc(4, np.complex64)
     WORLD.Barrier()
+
+
+@pytest.mark.parametrize("count, error, text", [(-1, ValueError, "count -1 is negative"),
+                                                (10.0, TypeError, "count must be an integer, got 10.0"),
+                                                ("10", TypeError, "count must be an integer")])
+def test_alloc_rejects_a_bad_count_before_any_message(alloc_comm, count, error, text):
+    """Every rank makes the same bad call: each raises its own error, and the communicator goes on."""
+    with pytest.raises(error, match=f"alloc on rank {RANK}: {text}"):
+        alloc_comm.alloc(count, np.float32)
+    a = alloc_comm.alloc(3, np.int32)
+    a[:] = 1
+    alloc_comm.allreduce(torus.IN_PLACE, a, algorithm="shm")
+    assert (a == SIZE).all()
+    alloc_comm.free_alloc(a)

@@ -354,6 +354,8 @@ class SharedMemory:
         if dtype not in DTYPES:
             raise TypeError(f"{what} on rank {self.rank}: dtype {dtype} is not one of "
                             f"{', '.join(str(d) for d in DTYPES)}")
+        if not isinstance(count, (int, np.integer)):
+            raise TypeError(f"{what} on rank {self.rank}: count must be an integer, got {count!r}")
         if count < 0:
             raise ValueError(f"{what} on rank {self.rank}: count {count} is negative")
         if nodes > 1:
