@@ -48,8 +48,12 @@ def resolve(rank: int, size: int, dims, segment_bytes, check, timeout, gpu_reduc
             ranks_per_node, shm_phases=None) -> Options:
     """The arguments of ``TorusComm(...)`` with their environment defaults (see its docstring)."""
     if dims is not None:
+        if len(dims) != 2:
+            raise ValueError(f"TorusComm on rank {rank}: dims {tuple(dims)} must be two numbers (X, Y)")
         X, Y = (int(d) for d in dims)
-        if X < 1 or Y < 1 or X * Y != size:
+        if X < 1 or Y < 1:
+            raise ValueError(f"TorusComm on rank {rank}: dims {X}x{Y} must both be at least 1")
+        if X * Y != size:
             raise ValueError(f"TorusComm on rank {rank}: dims {X}x{Y} do not multiply to the communicator "
                              f"size {size}")
         dims = (X, Y)

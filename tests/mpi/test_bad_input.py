@@ -163,10 +163,12 @@ def test_allgather_rejects(tc, name):
     _raises(tc, "allgather", *ALLGATHER[name])
 
 
-@pytest.mark.parametrize("kwargs", [{"dims": (2, SIZE)}, {"dims": (SIZE + 1, 1)}, {"dims": (0, SIZE)},
-                                    {"dims": (-1, -SIZE)}, {"segment_bytes": -1}], ids=str)
-def test_torus_comm_rejects_before_building_communicators(real, kwargs):
-    with pytest.raises(ValueError, match=rf"^TorusComm on rank {RANK}: "):
+@pytest.mark.parametrize("kwargs, why", [
+    ({"dims": (2, SIZE)}, "do not multiply"), ({"dims": (SIZE + 1, 1)}, "do not multiply"),
+    ({"dims": (0, SIZE)}, "must both be at least 1"), ({"dims": (-1, -SIZE)}, "must both be at least 1"),
+    ({"dims": (1, 1, SIZE)}, "must be two numbers"), ({"segment_bytes": -1}, "")], ids=str)
+def test_torus_comm_rejects_before_building_communicators(real, kwargs, why):
+    with pytest.raises(ValueError, match=rf"^TorusComm on rank {RANK}: .*{why}"):
         torus.TorusComm(**kwargs)
     assert real.allreduce(np.ones(3, F32), op="sum", algorithm="ring").tolist() == [SIZE] * 3
 
