@@ -5,8 +5,9 @@ TorusStrategy and a small model; the last rank then leaves before ``fit``, the o
 
 - it raises: the strategy installed ``torus.faults.abort_on_exception`` (the default), so its uncaught exception
   aborts the job at once;
-- it leaves by ``sys.exit(0)`` (no exception to catch): the others wait in the initial broadcast, which is bounded
-  by the stall timeout (TORUS_TIMEOUT=3 here), raise TimeoutError naming it, and abort.
+- it leaves by ``sys.exit(0)`` (no exception to catch): the others wait in fit's first collective (the ranks'
+  agreement on the inputs), which is bounded by the stall timeout (TORUS_TIMEOUT=3 here), raise TimeoutError
+  naming it, and abort.
 - ``TorusStrategy(abort_on_exception=False)`` installs no hook (one rank).
 
 The 90 s bound is generous (TensorFlow takes about 10 s to start here): a correctness property, not speed.
@@ -60,7 +61,8 @@ def test_a_rank_leaving_before_fit_ends_the_job(ranks, mode):
     if mode == "raise":
         assert f"[rank {last}] uncaught RuntimeError" in out, tail
     else:
-        survivors = [r for r in range(last) if f"broadcast_variables on rank {r}: no progress for 3" in out]
+        survivors = [r for r in range(last) if f"TorusStrategy fit on rank {r}: no progress for 3 s comparing "
+                     "every rank's inputs" in out]
         assert survivors and "uncaught TimeoutError" in out, tail
 
 
