@@ -117,16 +117,20 @@ def test_layout_and_init(hvd_world):
 # closed form of d(sum over ranks of every rank's loss)/dx_i, from every rank's x and w gathered with mpi4py.
 
 def tape_gradient(loss, x, in_function):
-    """d loss(x)/dx under a tf.GradientTape, eagerly or inside a tf.function."""
+    """d loss(x)/dx under a tf.GradientTape: eagerly (False), tape and loss inside a tf.function (True), or an
+    eager tape around a tf.function loss ("outside": TensorFlow builds the function's backward graph)."""
+    if in_function == "outside":
+        loss = tf.function(loss)
+
     def grad(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = loss(x)
         return tape.gradient(y, x)
-    return (tf.function(grad) if in_function else grad)(tf.constant(x))
+    return (tf.function(grad) if in_function is True else grad)(tf.constant(x))
 
 
-@pytest.mark.parametrize("in_function", [False, True])
+@pytest.mark.parametrize("in_function", [False, True, "outside"])
 @pytest.mark.parametrize("op, n_div", [(hvd.Sum, False), (hvd.Average, True)])
 def test_allreduce_gradient(hvd_world, rng, op, n_div, in_function):
     x, w = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))  # float64: exact oracle
@@ -146,7 +150,7 @@ def test_allreduce_gradient(hvd_world, rng, op, n_div, in_function):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("in_function", [False, True])
+@pytest.mark.parametrize("in_function", [False, True, "outside"])
 def test_allreduce_gradient_float32_and_issue_example(hvd_world, rng, in_function):
     x = rng.standard_normal(5).astype(np.float32)
     got = tape_gradient(lambda t: tf.reduce_sum(hvd.allreduce(t * (hvd.rank() + 1), op=hvd.Sum)), x, in_function)
@@ -163,7 +167,7 @@ def test_allreduce_gradient_of_min_max_product_raises(hvd_world, rng, op):
                          x, in_function=False).numpy().tolist() == [1.0] * 3
 
 
-@pytest.mark.parametrize("in_function", [False, True])
+@pytest.mark.parametrize("in_function", [False, True, "outside"])
 def test_allgather_gradient_uneven_rows(hvd_world, rng, in_function):
     rows = [(r * 2) % 5 for r in range(hvd.size())]  # 0, 2, 4 rows: rank 0 contributes none
     x = rng.standard_normal((rows[hvd.rank()], 3))
@@ -177,7 +181,7 @@ def test_allgather_gradient_uneven_rows(hvd_world, rng, in_function):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("in_function", [False, True])
+@pytest.mark.parametrize("in_function", [False, True, "outside"])
 @pytest.mark.parametrize("root", [0, -1])
 def test_broadcast_gradient(hvd_world, rng, root, in_function):
     root = root % hvd.size()

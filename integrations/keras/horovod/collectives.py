@@ -178,7 +178,12 @@ def broadcast(value, root_rank, name=None):
 
     def grad(dy):
         total = fused_allreduce(host_allreduce(what="hvd.broadcast"), [dy], Sum)[0]
-        return total if rank() == root else tf.zeros_like(total)
+        if rank() == root:
+            return total
+        # The dependency keeps the all-reduce in graphs that TensorFlow prunes (the backward function of a
+        # tf.function differentiated from outside has no automatic control dependencies)
+        with tf.control_dependencies([total]):
+            return tf.zeros_like(dy)
 
     return _differentiable(tensor, forward, grad)
 
