@@ -111,3 +111,85 @@ def test_layout_and_init(hvd_world):
         hvd.init([0, 1])
     hvd.init()
     assert hvd.allreduce(np.ones(1), op=hvd.Sum).numpy()[0] == hvd.size()
+
+
+# Gradients: each rank's loss is sum(w_r * f(collective(x))**2), w_r its own random weights; the oracle is the
+# closed form of d(sum over ranks of every rank's loss)/dx_i, from every rank's x and w gathered with mpi4py.
+
+def tape_gradient(loss, x, in_function):
+    """d loss(x)/dx under a tf.GradientTape: eagerly (False), tape and loss inside a tf.function (True), or an
+    eager tape around a tf.function loss ("outside": TensorFlow builds the function's backward graph)."""
+    if in_function == "outside":
+        loss = tf.function(loss)
+
+    def grad(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = loss(x)
+        return tape.gradient(y, x)
+    return (tf.function(grad) if in_function is True else grad)(tf.constant(x))
+
+
+@pytest.mark.parametrize("in_function", [False, True, "outside"])
+@pytest.mark.parametrize("op, n_div", [(hvd.Sum, False), (hvd.Average, True)])
+def test_allreduce_gradient(hvd_world, rng, op, n_div, in_function):
+    x, w = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))  # float64: exact oracle
+    pre, post = 0.5, 3.0
+    xs, ws = everyone(hvd_world, x), everyone(hvd_world, w)
+    n = hvd.size()
+    y = post * pre * (xs.mean(0) if n_div else xs.sum(0))
+    # d/dx_i of sum_r sum(w_r * y**2) + sum(x_i): the allreduce term plus the local one
+    want = pre * post * (2 * ws * y).sum(0) / (n if n_div else 1) + 1.0
+
+    def loss(t):
+        y = hvd.allreduce(t, op=op, prescale_factor=pre, postscale_factor=post)
+        return tf.reduce_sum(w * y ** 2) + tf.reduce_sum(t)
+
+    got = tape_gradient(loss, x, in_function)
+    assert got is not None
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("in_function", [False, True, "outside"])
+def test_allreduce_gradient_float32_and_issue_example(hvd_world, rng, in_function):
+    x = rng.standard_normal(5).astype(np.float32)
+    got = tape_gradient(lambda t: tf.reduce_sum(hvd.allreduce(t * (hvd.rank() + 1), op=hvd.Sum)), x, in_function)
+    # d/dx_i sum_r sum(sum_j (j+1) x_j) = size * (i+1)
+    np.testing.assert_allclose(got.numpy(), np.full(5, hvd.size() * (hvd.rank() + 1.0)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", [hvd.Min, hvd.Max, hvd.Product])
+def test_allreduce_gradient_of_min_max_product_raises(hvd_world, rng, op):
+    x = rng.standard_normal(3)
+    with pytest.raises(NotImplementedError, match=f"no gradient for op '{op}'"):
+        tape_gradient(lambda t: tf.reduce_sum(hvd.allreduce(t, op=op)), x, in_function=False)
+    assert tape_gradient(lambda t: tf.reduce_sum(hvd.allreduce(tf.stop_gradient(t), op=op)) + tf.reduce_sum(t),
+                         x, in_function=False).numpy().tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize("in_function", [False, True, "outside"])
+def test_allgather_gradient_uneven_rows(hvd_world, rng, in_function):
+    rows = [(r * 2) % 5 for r in range(hvd.size())]  # 0, 2, 4 rows: rank 0 contributes none
+    x = rng.standard_normal((rows[hvd.rank()], 3))
+    w = rng.standard_normal((sum(rows), 3))
+    ys, ws = np.concatenate(hvd_world.allgather(x)), everyone(hvd_world, w)
+    start = sum(rows[:hvd.rank()])
+    want = (2 * ws * ys).sum(0)[start:start + rows[hvd.rank()]]
+
+    got = tape_gradient(lambda t: tf.reduce_sum(w * hvd.allgather(t) ** 2), x, in_function)
+    assert got.shape == x.shape
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("in_function", [False, True, "outside"])
+@pytest.mark.parametrize("root", [0, -1])
+def test_broadcast_gradient(hvd_world, rng, root, in_function):
+    root = root % hvd.size()
+    x, w = rng.standard_normal((2, 2)), rng.standard_normal((2, 2))
+    x_root, ws = hvd_world.bcast(x, root=root), everyone(hvd_world, w)
+    want = (2 * ws * x_root).sum(0) if hvd.rank() == root else np.zeros_like(x)
+    want = want + 1.0  # the local term
+
+    got = tape_gradient(lambda t: tf.reduce_sum(w * hvd.broadcast(t, root) ** 2) + tf.reduce_sum(t),
+                        x, in_function)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)

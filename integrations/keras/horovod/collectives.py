@@ -6,6 +6,15 @@ make the same calls in the same order. All-reduce goes through ``torus.integrati
 (``HostAllreduce`` / ``allreduce_tensors``, the torus schedules); all-gather and broadcast move bytes with the
 communicator's own ``MPI_Allgatherv`` / ``MPI_Bcast`` after an all-gather of every rank's shape and dtype, so a
 mismatch raises ``ValueError`` on every rank instead of hanging or truncating.
+
+Gradients (``tf.GradientTape``, eagerly or in a ``tf.function``) follow Horovod's rules, i.e. they are the
+gradients of the sum over ranks of every rank's loss: all-reduce's is the all-reduce of the incoming gradient
+with the same op (``Sum`` / ``Average``; the pre/post scale multiplications are differentiated as they stand),
+all-gather's is the all-reduce-sum of the incoming gradient cut to this rank's rows, broadcast's is the
+all-reduce-sum on the root rank and zeros elsewhere. The backward pass is collective too: every rank must take
+the gradient through the same collectives in the same order. ``Min``, ``Max`` and ``Product`` have no gradient
+here: ``NotImplementedError`` when the gradient is taken (Horovod silently all-reduces the gradient with that
+op, which is not their derivative). Integer and bool tensors have none, as in TensorFlow.
 """
 from __future__ import annotations
 
@@ -35,11 +44,20 @@ def host_allreduce(compression=Compression.none, algorithm: str = "auto", what: 
 
 
 def fused_allreduce(host: HostAllreduce, tensors, op: str):
-    """``loop.allreduce_tensors``, traced into a graph when called eagerly: eagerly, ``tf.numpy_function``
-    hands back a lone tensor for a one-element output list, which ``allreduce_tensors`` does not expect."""
-    if tf.executing_eagerly():
-        return tf.function(lambda: allreduce_tensors(host, list(tensors), op))()
+    """``loop.allreduce_tensors``: eagerly its ``tf.numpy_function`` runs at once, in a graph it is traced."""
     return allreduce_tensors(host, list(tensors), op)
+
+
+def _differentiable(tensor: tf.Tensor, forward, backward) -> tf.Tensor:
+    """``forward(tensor)`` with ``backward(dy)`` as its gradient, for floating tensors (others have none)."""
+    if not tensor.dtype.is_floating:
+        return forward(tensor)
+
+    @tf.custom_gradient
+    def op(x):
+        return forward(x), backward
+
+    return op(tensor)
 
 
 def resolve_op(what: str, average=None, op=None) -> str:
@@ -84,13 +102,25 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
     """Reduce ``value`` (any tensor-like; same shape and dtype on every rank) over all ranks; returns a
     ``tf.Tensor`` of its shape and dtype. ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``;
     ``Average`` on integers raises ``TypeError``. ``prescale_factor`` / ``postscale_factor`` multiply before /
-    after the reduction. ``name`` is accepted and unused."""
+    after the reduction. ``name`` is accepted and unused. Differentiable for ``Sum`` and ``Average``
+    (module docstring); the gradient of ``Min`` / ``Max`` / ``Product`` raises ``NotImplementedError``."""
     op = resolve_op("hvd.allreduce", average, op)
     tensor = _numeric("hvd.allreduce", value)
     check_op_dtype("hvd.allreduce", rank(), op, tensor.dtype.as_numpy_dtype)
     if prescale_factor != 1.0:
         tensor = tensor * tf.cast(prescale_factor, tensor.dtype)
-    (out,) = fused_allreduce(host_allreduce(compression, what="hvd.allreduce"), [tensor], op)
+    host = host_allreduce(compression, what="hvd.allreduce")
+
+    def reduce(buf):
+        return fused_allreduce(host, [buf], op)[0]
+
+    def grad(dy):
+        if op not in (Sum, Average):
+            raise NotImplementedError(f"hvd.allreduce on rank {rank()}: no gradient for op {op!r} (only "
+                                      "hvd.Sum and hvd.Average are differentiable)")
+        return reduce(dy)
+
+    out = _differentiable(tensor, reduce, grad)
     if postscale_factor != 1.0:
         out = out * tf.cast(postscale_factor, out.dtype)
     return out
@@ -98,7 +128,8 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
 
 def allgather(value, name=None):
     """Concatenate every rank's ``value`` along the first dimension, in rank order. Shapes may differ in the
-    first dimension only (at least one dimension); dtypes must agree. Returns a ``tf.Tensor``."""
+    first dimension only (at least one dimension); dtypes must agree. Returns a ``tf.Tensor``. Differentiable
+    (floating dtypes): the gradient is the sum over ranks of the incoming gradients' rows of this rank."""
     tensor = _numeric("hvd.allgather", value)
     if tensor.shape.rank == 0:
         raise ValueError(f"hvd.allgather on rank {rank()}: value must have at least one dimension")
@@ -109,15 +140,28 @@ def allgather(value, name=None):
         out = np.empty((sum(s[0] for s in shapes),) + buf.shape[1:], buf.dtype)
         nbytes = [int(np.prod(s)) * buf.dtype.itemsize for s in shapes]
         torus_comm().comm.Allgatherv(buf.reshape(-1).view(np.uint8), [out.reshape(-1).view(np.uint8), nbytes])
+        return out, np.array([s[0] for s in shapes], np.int64)
+
+    rows = []  # every rank's first dimension, from the forward pass: the backward needs no extra collective
+
+    def forward(x):
+        out, counts = tf.numpy_function(gather, [x], [x.dtype, tf.int64], stateful=True, name="hvd_allgather")
+        out.set_shape([None] + x.shape.as_list()[1:])
+        rows.append(counts)
         return out
 
-    out = tf.numpy_function(gather, [tensor], tensor.dtype, stateful=True, name="hvd_allgather")
-    out.set_shape([None] + tensor.shape.as_list()[1:])
-    return out
+    def grad(dy):
+        total = fused_allreduce(host_allreduce(what="hvd.allgather"), [dy], Sum)[0]
+        start = tf.reduce_sum(rows[0][:rank()])
+        return total[start:start + rows[0][rank()]]
+
+    return _differentiable(tensor, forward, grad)
 
 
 def broadcast(value, root_rank, name=None):
-    """Rank ``root_rank``'s ``value`` on every rank (same shape and dtype everywhere); a ``tf.Tensor``."""
+    """Rank ``root_rank``'s ``value`` on every rank (same shape and dtype everywhere); a ``tf.Tensor``.
+    Differentiable (floating dtypes): on the root rank the gradient is the sum over ranks of the incoming
+    gradients, elsewhere zeros (every rank still takes part in that all-reduce)."""
     tensor = _numeric("hvd.broadcast", value)
     root = _root("hvd.broadcast", root_rank)
 
@@ -127,9 +171,21 @@ def broadcast(value, root_rank, name=None):
         torus_comm().comm.Bcast(out.reshape(-1).view(np.uint8), root=root)
         return out
 
-    out = tf.numpy_function(bcast, [tensor], tensor.dtype, stateful=True, name="hvd_broadcast")
-    out.set_shape(tensor.shape)
-    return out
+    def forward(x):
+        out = tf.numpy_function(bcast, [x], x.dtype, stateful=True, name="hvd_broadcast")
+        out.set_shape(x.shape)
+        return out
+
+    def grad(dy):
+        total = fused_allreduce(host_allreduce(what="hvd.broadcast"), [dy], Sum)[0]
+        if rank() == root:
+            return total
+        # The dependency keeps the all-reduce in graphs that TensorFlow prunes (the backward function of a
+        # tf.function differentiated from outside has no automatic control dependencies)
+        with tf.control_dependencies([total]):
+            return tf.zeros_like(dy)
+
+    return _differentiable(tensor, forward, grad)
 
 
 def broadcast_object(obj, root_rank=0, name=None):
