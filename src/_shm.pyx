@@ -73,14 +73,18 @@ cdef double _NAP = 0.05
 cdef int64_t _BLOCK_BYTES = 16384
 
 
-cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin, const uint64_t* gone) noexcept nogil:
-    """0 once ``*flag >= target``, 1 after ``timeout`` s (> 0; else forever) without, 2 once the flag's writer
-    has left (``*gone`` nonzero: its Python exited, ``mark_left``) without storing it: it never will, since it
-    stores its flags before it leaves (looked at between sleeps, which its mark wakes). ``spin >= 0``: polls
+cdef int _wait(const char* region, int64_t flag_off, uint64_t target, double timeout, int spin,
+               int stalled) noexcept nogil:
+    """Wait on the flag at ``flag_off`` in a peer's ``region``: DONE once it is ``>= target``, ``stalled``
+    after ``timeout`` s (> 0; else forever) without, PEER_LEFT once the peer has left (its ``LEFT`` word set:
+    its Python exited, ``mark_left``) without storing it: it never will, since it stores its flags before it
+    leaves (looked at between sleeps, which its mark wakes). ``spin >= 0``: polls
     that many times (a few microseconds when every rank has its own core); ``spin < 0``: yields the core
     ``-spin`` times instead (more ranks than cores: the rank waited for may need this very core, and on a
     quiet node a yield hands it over at once). Then sleeps on the flag until its writer wakes it
     (src/shm_flags.h): a rank that kept yielding would stay runnable and take its share of a busy core."""
+    cdef const uint64_t* flag = <const uint64_t*>(region + flag_off)
+    cdef const uint64_t* gone = <const uint64_t*>(region + LEFT)
     cdef double deadline = 0.0, left = _NAP
     cdef int polls = 0
     cdef uint64_t seen = torus_flag_load(flag)
@@ -103,11 +107,11 @@ cdef int _wait(const uint64_t* flag, uint64_t target, double timeout, int spin, 
         if seen >= target:
             return 0
         if torus_flag_load(gone):  # acquire: the writer's flag stores before it came are visible now
-            return 0 if torus_flag_load(flag) >= target else 2
+            return DONE if torus_flag_load(flag) >= target else PEER_LEFT
         if timeout > 0:
             left = deadline - monotonic_s()
             if left <= 0:
-                return 1
+                return stalled
             if left > _NAP:
                 left = _NAP
         torus_flag_sleep(flag, seen, left)
@@ -129,17 +133,17 @@ cdef inline int64_t _piece(int64_t count, int64_t lo, int64_t seg) noexcept nogi
 cdef int _join(const int64_t[::1] bases, int rank, int P, uint64_t cur, uint64_t sig, int64_t header_off,
                double timeout, int spin, int* peer) noexcept nogil:
     """Wait for every peer's ``copied >= cur`` and compare the signature in its header at ``header_off``:
-    DONE, or STALLED_COPY / PEER_ERROR / PEER_OTHER / MISMATCH with ``peer[0]`` the first peer found so."""
+    DONE, or STALLED_COPY / PEER_LEFT / PEER_ERROR / PEER_OTHER / MISMATCH with ``peer[0]`` the first peer
+    found so."""
     cdef int k, q
     cdef uint64_t theirs
     cdef int w
     for k in range(1, P):
         q = (rank + k) % P
-        w = _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur, timeout, spin,
-                  <const uint64_t*>(<char*>bases[q] + LEFT))
+        w = _wait(<char*>bases[q], COPIED, cur, timeout, spin, STALLED_COPY)
         if w:
             peer[0] = q
-            return STALLED_COPY if w == 1 else PEER_LEFT
+            return w
         theirs = (<uint64_t*>(<char*>bases[q] + header_off))[0]
         if theirs != sig:
             peer[0] = q
@@ -182,7 +186,8 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
     are not the input, whose lines a copy out would otherwise first read).
     Returns ``(status, step, peer, nsteps)``: status DONE, STALLED_COPY / STALLED_REDUCE (no progress for
     ``timeout`` s waiting on ``peer``'s copy-in / reduced chunk at ``step``), MISMATCH (``peer``'s signature
-    differs from ``sig``), PEER_ERROR (``peer`` announced an argument error instead)."""
+    differs from ``sig``), PEER_ERROR (``peer`` announced an argument error instead), PEER_LEFT (``peer``'s
+    Python exited without storing the flag waited for)."""
     cdef int P = bases.shape[0], k, q, w, status = DONE, peer = -1
     cdef char* s = <char*>cnp.PyArray_DATA(src)
     cdef char* o = <char*>cnp.PyArray_DATA(out)
@@ -254,10 +259,10 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
                 n = _piece(counts[q], lo, seg)
                 if n == 0:
                     continue
-                w = 0 if mode != ALLREDUCE else _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout,
-                                                      spin, <const uint64_t*>(<char*>bases[q] + LEFT))
+                w = DONE if mode != ALLREDUCE else _wait(<char*>bases[q], REDUCED, cur, timeout, spin,
+                                                         STALLED_REDUCE)
                 if w:
-                    status, peer = (STALLED_REDUCE if w == 1 else PEER_LEFT), q
+                    status, peer = w, q
                     break
                 slot = <char*>bases[q] + buf_off + HEADER + (q * stride if mode == ALLREDUCE else 0)
                 _copy_out(o + (displs[q] + lo) * item, slot, n * item, stream)
@@ -360,10 +365,9 @@ def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, cons
             phase = 2
             for k in range(1, P):
                 q = (rank + k) % P
-                w = _wait(<const uint64_t*>(<char*>bases[q] + REDUCED), cur, timeout, spin,
-                          <const uint64_t*>(<char*>bases[q] + LEFT))
+                w = _wait(<char*>bases[q], REDUCED, cur, timeout, spin, STALLED_REDUCE)
                 if w:
-                    status, peer = (STALLED_REDUCE if w == 1 else PEER_LEFT), q
+                    status, peer = w, q
                     break
                 if counts[q]:
                     memcpy(mine + displs[q] * item, <char*>data[q] + displs[q] * item, counts[q] * item)
@@ -372,9 +376,8 @@ def run_window(const int64_t[::1] bases, const int64_t[::1] data, int rank, cons
             torus_flag_store(<uint64_t*>(<char*>bases[rank] + COPIED), cur + 1)
             for k in range(1, P):
                 q = (rank + k) % P
-                w = _wait(<const uint64_t*>(<char*>bases[q] + COPIED), cur + 1, timeout, spin,
-                          <const uint64_t*>(<char*>bases[q] + LEFT))
+                w = _wait(<char*>bases[q], COPIED, cur + 1, timeout, spin, STALLED_COPY)
                 if w:
-                    status, peer = (STALLED_COPY if w == 1 else PEER_LEFT), q
+                    status, peer = w, q
                     break
     return status, phase, peer

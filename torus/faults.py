@@ -68,7 +68,7 @@ _stalled = False  # set when this process raised a stall timeout: its communicat
 LEFT_GRACE_S = float(os.environ.get("TORUS_LEFT_GRACE", 5.0))
 _PROBE_AFTER_S = 0.02  # a wait starts looking for departed peers after this, then every _PROBE_EVERY_S
 _PROBE_EVERY_S = 0.01
-_left_probes: dict = {}  # id(owner) -> () -> "rank 1" / "ranks 1, 3" whose Python exited, or "" (left_probe)
+_left_probes: dict = {}  # id(owner) -> () -> "rank 1" / "ranks 1, 3" whose Python exited, or "" (at_exit)
 _exit_notices: dict = {}  # id(owner) -> what tells its peers when this process exits (at_exit)
 
 

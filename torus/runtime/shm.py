@@ -130,6 +130,11 @@ _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _PROT_READ, _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED_NOREPLACE = 0x1, 0x02, 0x20, 0x100000
 
 
+def _pages(nbytes: int) -> int:
+    """Bytes of whole pages holding ``nbytes`` (at least one page: MPI refuses an empty shared window)."""
+    return max(-(-nbytes // _PAGE) * _PAGE, _PAGE)
+
+
 def _cover(array: np.ndarray, nbytes: int) -> None:
     """After its window is freed, map empty read-only pages where ``array``'s ``nbytes`` (whole pages) were,
     for as long as the array lives: a read of a freed alloc buffer then sees zeros instead of ending the
@@ -197,7 +202,7 @@ class SharedMemory:
             shared.Free()
             raise ValueError(f"{what} on rank {rank}: algorithm 'shm' needs every rank on one node; this node "
                              f"holds {n} of the {size} ranks (use ring, hierarchical or torus2d)")
-        region = -(-(_shm.FLAG_BYTES + 2 * (_shm.HEADER_BYTES + self.slot_bytes)) // _PAGE) * _PAGE
+        region = _pages(_shm.FLAG_BYTES + 2 * (_shm.HEADER_BYTES + self.slot_bytes))
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")
         try:
@@ -214,7 +219,7 @@ class SharedMemory:
     def _left(self) -> str:
         """The peers whose Python has exited (their mark in the window), as "rank 1" / "ranks 1, 3", or ""."""
         gone = [self.members[q] for q in _shm.left_ranks(self._bases, self.rank)]
-        return ("rank " if len(gone) == 1 else "ranks ") + ", ".join(map(str, gone)) if gone else ""
+        return agreement.ranks_text(gone) if gone else ""
 
     def _prepare(self, collective: str, out: np.ndarray, counts, op: str, window):
         """What a call shape needs, decided once: (mode, counts, displs, segment in elements, kernel kind,
@@ -379,11 +384,11 @@ class SharedMemory:
     def _window(self, what: str, nbytes: int, count: int, dtype) -> tuple:
         """A shared window of ``nbytes`` per rank (whole pages, each rank's its own): (window, every rank's
         address, this rank's part as ``count`` elements of ``dtype``)."""
-        self._check_room(what, max(-(-nbytes // _PAGE) * _PAGE, _PAGE))
+        self._check_room(what, _pages(nbytes))
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")
         try:
-            win = MPI.Win.Allocate_shared(max(-(-nbytes // _PAGE) * _PAGE, _PAGE), 1, info, comm=self.comm)
+            win = MPI.Win.Allocate_shared(_pages(nbytes), 1, info, comm=self.comm)
         finally:
             info.Free()
         data = np.array([win.Shared_query(q)[0].address for q in range(self.size)], np.int64)
@@ -430,7 +435,7 @@ class SharedMemory:
             return
         win.Free()
         if array is not None:
-            _cover(array, max(-(-nbytes // _PAGE) * _PAGE, _PAGE))
+            _cover(array, _pages(nbytes))
 
     def _agree(self, what: str, count: int, dtype, index: int) -> None:
         """Every rank makes this same ``alloc`` / ``free_alloc`` (``what``): of ``count`` elements of
