@@ -9,7 +9,7 @@ of that instant, ``c_0(T)``, minus rank 0's origin. Bound: each clock sample is 
 ``error_s`` (half its round trip: rank 0's reading lies inside it), and the line through two samples is off by
 at most the larger of the two wherever the true offset is linear, as it is here; converted to rank 0's clock
 units (a factor ``(1 + rate_0) / (1 + rate_r)``) and with 2 ns for the three-decimal microseconds.
-Budget: about 2 s a run (sleeps of 0.4 s in two tests).
+Budget: about 2 s a run (0.5 s of sleeps).
 """
 from __future__ import annotations
 
