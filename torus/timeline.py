@@ -17,10 +17,10 @@ them to rank 0, which writes one file in the Trace Event Format (JSON object for
 
 Contract:
 
-- ``Timeline(path, comm)`` and ``close()`` are collective over ``comm`` (every rank calls them, in the same
-  order as its other collectives on ``comm``); ``span``, ``region`` and ``instant`` are local, thread-safe, and
-  cost one lock and one list append (about 2 microseconds a call on the 2-core test machine); after ``close``
-  they record nothing.
+- ``Timeline(path, comm)``, ``save()`` (write what was recorded so far, keep recording) and ``close()`` are
+  collective over ``comm`` (every rank calls them, in the same order as its other collectives on ``comm``);
+  ``span``, ``region`` and ``instant`` are local, thread-safe, and cost one lock and one list append (about 2
+  microseconds a call on the 2-core test machine); after ``close`` they record nothing.
 - Times given to ``span`` are seconds from ``tl.clock`` (``time.perf_counter`` unless a test injects another);
   ``t1 >= t0`` (a negative duration is written as 0).
 - The trace: one process per rank (``pid`` = rank, named ``rank R (hostname)``, sorted by rank), one thread per
@@ -126,6 +126,19 @@ class Timeline:
             else:
                 self._dropped += 1
 
+    def save(self) -> None:
+        """Collective: rank 0 writes the trace of every event so far to ``path`` (replacing an earlier save)
+        and recording goes on (a clock sample is added, so drift is corrected up to now). After ``close``:
+        nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            events = list(self._events)
+        self._samples.append(self._offset_sample())
+        payloads = self._comm.gather(self._payload(events), root=0)
+        if self.rank == 0:
+            _write_json(self.path, merge(payloads))
+
     def close(self, collective: bool = True) -> None:
         """Write the trace: collective (rank 0 writes ``path``), or with ``collective=False`` local (this rank
         writes ``path.rank<R>``). A second call does nothing."""
@@ -134,20 +147,21 @@ class Timeline:
                 return
             self._closed = True
         if not collective:
-            _write_json(f"{self.path}.rank{self.rank}", self._payload())
+            _write_json(f"{self.path}.rank{self.rank}", self._payload(self._events))
             return
         self._samples.append(self._offset_sample())
-        payloads = self._comm.gather(self._payload(), root=0)
+        payloads = self._comm.gather(self._payload(self._events), root=0)
         self._comm.Free()
         if self.rank == 0:
             _write_json(self.path, merge(payloads))
 
-    def _payload(self) -> dict:
-        """This rank's events and clock samples: what ``close`` gathers and ``close(collective=False)`` writes."""
+    def _payload(self, events: list) -> dict:
+        """This rank's ``events`` and clock samples: what ``close`` gathers and ``close(collective=False)``
+        writes."""
         return {"format": FORMAT, "run": self._run, "rank": self.rank, "size": self._size,
                 "host": socket.gethostname(), "origin_s": self._origin, "lanes": self._lanes,
                 "clock": self._samples, "max_events": self._max, "dropped": self._dropped,
-                "events": [[lane, name, t0, t1, _plain_args(args)] for lane, name, t0, t1, args in self._events]}
+                "events": [[lane, name, t0, t1, _plain_args(args)] for lane, name, t0, t1, args in events]}
 
     def _offset_sample(self) -> dict:
         """One clock sample, collective: ``{"local_s", "offset_s", "error_s"}`` with rank 0's clock reading

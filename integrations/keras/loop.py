@@ -25,16 +25,21 @@ A custom loop::
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 import zlib
 
 import numpy as np
 import tensorflow as tf
+from mpi4py import MPI
 
 from torus import IN_PLACE, faults, kernels
 from torus.errors import MismatchError
+from torus.integrations.keras.buckets import BUCKET_BYTES, Buckets, allreduce_bucketed
 from torus.integrations.keras.window import WindowBuffers
 from torus.ops import BFLOAT16, DTYPES
+from torus.runtime.progress import progress_for, threads_ok
 
 COMPRESSION = {"none": None, "fp16": np.dtype(np.float16), "bf16": BFLOAT16}
 
@@ -46,6 +51,31 @@ def check_compression(compression: str):
     return COMPRESSION[compression]
 
 
+def resolve_overlap(torus_comm, overlap: bool | None) -> bool:
+    """``HostAllreduce``'s ``overlap`` with its default (see there); warns once where MPI forbids it."""
+    asked = overlap if overlap is not None else {"0": False, "1": True}.get(os.environ.get("TORUS_OVERLAP", ""))
+    wanted = asked if asked is not None else torus_comm.topology.nodes > 1
+    if wanted and not threads_ok():
+        if asked and not _warned:
+            _warned.append(True)
+            warnings.warn(f"TorusStrategy on rank {torus_comm.rank}: MPI gives thread level "
+                          f"{MPI.Query_thread()}, below MPI_THREAD_SERIALIZED: the gradient all-reduce cannot run "
+                          "on a communication thread, so it runs after backprop (no overlap)", stacklevel=3)
+        return False
+    return bool(wanted)
+
+
+def resolve_bucket_bytes(torus_comm, bucket_bytes: int | None) -> int:
+    value = bucket_bytes if bucket_bytes is not None else int(os.environ.get("TORUS_BUCKET_BYTES", "0") or 0)
+    value = int(value or BUCKET_BYTES)
+    if value < 1:
+        raise ValueError(f"TorusStrategy on rank {torus_comm.rank}: bucket_bytes {value} must be at least 1")
+    return value
+
+
+_warned: list = []
+
+
 class HostAllreduce:
     """The host side of the fused all-reduce: called with one flat numpy buffer per dtype, returns new ones.
 
@@ -54,16 +84,32 @@ class HostAllreduce:
     ``window`` (default True): where the shared-memory transport runs the all-reduce, fuse into persistent
     ``TorusComm.alloc`` buffers instead (``in_window``, window.py; False keeps the out-of-place path
     everywhere, e.g. to compare). ``seconds`` accumulates the wall time spent here (for benchmarks).
+
+    ``overlap``: inside a ``tf.function``, all-reduce in buckets of about ``bucket_bytes`` on the
+    ``TorusComm``'s communication thread while the rest of the graph runs (buckets.py). ``None`` (default):
+    ``TORUS_OVERLAP`` (``0``/``1``), else on where the ranks span several nodes. ``bucket_bytes``: ``None``:
+    ``TORUS_BUCKET_BYTES``, else ``buckets.BUCKET_BYTES``. Where MPI does not allow a second thread
+    (``MPI.Query_thread()`` below ``THREAD_SERIALIZED``) overlap stays off, with one warning if it was asked for.
+    Every call of this host, blocking or not, runs after the buckets queued before it
+    (``torus.runtime.progress``: one collective at a time per ``TorusComm``). ``timeline``: a
+    ``torus.timeline.Timeline`` (or None) that gets a span per all-reduce.
     """
 
-    def __init__(self, torus_comm, algorithm: str = "auto", compression: str = "none", window: bool = True):
+    def __init__(self, torus_comm, algorithm: str = "auto", compression: str = "none", window: bool = True,
+                 overlap: bool | None = None, bucket_bytes: int | None = None, timeline=None):
         self.torus_comm, self.algorithm, self.window = torus_comm, algorithm, window
         self.wire = check_compression(compression)
         self._scratch: dict = {}
         self.windows = WindowBuffers(torus_comm)
         self.seconds, self.calls = 0.0, 0
+        self.overlap = resolve_overlap(torus_comm, overlap)
+        self.bucket_bytes = resolve_bucket_bytes(torus_comm, bucket_bytes)
+        self.progress = progress_for(torus_comm)
+        self.buckets = Buckets(self)
+        self.timeline = timeline
+        self.name = "allreduce"
 
-    def _wire_of(self, dtype: np.dtype):
+    def wire_of(self, dtype: np.dtype):
         return self.wire if self.wire is not None and dtype == np.float32 else None
 
     def in_window(self, tensors) -> bool:
@@ -81,7 +127,7 @@ class HostAllreduce:
         count = sum(t.shape.num_elements() for t in tensors)
         if dtype not in DTYPES or count == 0:
             return False
-        wire = self._wire_of(dtype) or dtype
+        wire = self.wire_of(dtype) or dtype
         algo = self.algorithm if self.algorithm != "auto" else tc.auto_choice("allreduce", count * wire.itemsize,
                                                                                True)
         return algo == "shm"
@@ -89,17 +135,24 @@ class HostAllreduce:
     def __call__(self, op: str, *bufs, groups=None):
         """All-reduce ``bufs``: one flat buffer per group, or, for a group of ``groups`` (a tuple of piece
         counts, 0 for a flat buffer) that is positive, that many pieces fused in a window."""
+        return self.progress.call(self._reduce, op, bufs, groups)
+
+    def _reduce(self, op: str, bufs, groups):
         t0 = time.perf_counter()
         out, k = [], 0
         for n in groups or (0,) * len(bufs):
             if n:
                 pieces = [np.asarray(b) for b in bufs[k:k + n]]
-                out += self.windows.allreduce(pieces, op, self.algorithm, self._wire_of(pieces[0].dtype))
+                out += self.windows.allreduce(pieces, op, self.algorithm, self.wire_of(pieces[0].dtype))
             else:
                 out.append(self._one(np.asarray(bufs[k]), op))
             k += n or 1
-        self.seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.seconds += t1 - t0
         self.calls += 1
+        if self.timeline is not None:
+            self.timeline.span(self.name, "comm", t0, t1, nbytes=int(sum(np.asarray(b).nbytes for b in bufs)),
+                               algorithm=self.algorithm)
         return out
 
     def _one(self, buf, op):
@@ -124,10 +177,16 @@ def allreduce_tensors(host: HostAllreduce, tensors, op: str = "avg"):
     first, so the result equals a single process' dense gradient over the global batch (it costs the full
     variable's size on the wire). Collective: every rank must call it with the same list of shapes and dtypes
     in the same order. Not XLA-compilable (``tf.numpy_function``).
+
+    With ``host.overlap`` on, inside a ``tf.function`` and for fully defined shapes, the tensors are
+    all-reduced in buckets on the communication thread, each starting as soon as its tensors exist
+    (buckets.py); otherwise in one fused call per dtype after all of them exist.
     """
     dense = [tf.convert_to_tensor(t) for t in tensors]
     if not dense:
         return []
+    if host.overlap and not tf.executing_eagerly() and all(t.shape.is_fully_defined() for t in dense):
+        return allreduce_bucketed(host, dense, op)
     dtypes = list(dict.fromkeys(t.dtype for t in dense))
     groups = [[i for i, t in enumerate(dense) if t.dtype == dt] for dt in dtypes]
     windowed = [host.in_window([dense[i] for i in g]) for g in groups]

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm, faults
-from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet  # noqa: F401 (files, quiet register their stages)
+from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet, trace  # noqa: F401 (files, quiet register their stages)
 from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables
 from torus.select import ALGORITHMS
 
@@ -142,24 +142,38 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
     abort_on_exception : bool
         Install ``torus.faults.abort_on_exception`` for the strategy's communicator (default True), so an
         uncaught exception on any rank ends the whole job instead of leaving the other ranks waiting.
+    overlap : bool, optional
+        All-reduce the gradients in buckets on a communication thread while backprop still runs
+        (``buckets.py``). Default (None): ``TORUS_OVERLAP`` (``0``/``1``), else on where the ranks span several
+        nodes. The results equal overlap off up to float summation order, and are bitwise equal across ranks.
+    bucket_bytes : int, optional
+        The bucket cap in bytes (default ``TORUS_BUCKET_BYTES``, else 25 MiB; the first bucket at most 1 MiB).
+
+    Where ``TORUS_TIMELINE=FILE`` is set, ``strategy.timeline`` records a Chrome trace of every rank's steps,
+    buckets and all-reduces, written at the end of each ``fit`` (``trace.py``; a custom loop calls
+    ``strategy.timeline.save()`` itself, on every rank); otherwise ``strategy.timeline`` is None.
 
     Collective: every rank constructs it together. Raises ``ValueError`` for an unknown algorithm or
     compression.
     """
 
     def __init__(self, dims=None, algorithm: str = "auto", compression: str = "none", comm=None,
-                 device: str = "/cpu:0", abort_on_exception: bool = True):
+                 device: str = "/cpu:0", abort_on_exception: bool = True, overlap: bool | None = None,
+                 bucket_bytes: int | None = None):
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"TorusStrategy: unknown algorithm {algorithm!r}; expected auto or one of "
                              f"{', '.join(ALGORITHMS)}")
         torus_comm = comm if isinstance(comm, TorusComm) else TorusComm(comm, dims)
         if abort_on_exception:
             faults.abort_on_exception(torus_comm.comm)
-        self.host = HostAllreduce(torus_comm, algorithm, compression)
-        self.metrics_host = HostAllreduce(torus_comm, "auto", "none")
+        self.host = HostAllreduce(torus_comm, algorithm, compression, overlap=overlap, bucket_bytes=bucket_bytes)
+        self.metrics_host = HostAllreduce(torus_comm, "auto", "none", overlap=False)
+        self.metrics_host.name = "metric allreduce"
+        self.timeline = self.host.timeline = self.metrics_host.timeline = trace.make(torus_comm)
         super().__init__(_TorusExtended(self, self.host, device))
         fit_hook.register("model", adopt.adopt_model)
         fit_hook.register("callbacks", initial_state.add_initial_state)
+        fit_hook.register("callbacks", trace.add_step_timeline)
         fit_hook.install(self)
         metrics.install()
 

@@ -48,6 +48,7 @@ class WindowBuffers:
         self._shared: OrderedDict = OrderedDict()  # (wire dtype, count) -> TorusComm.alloc array
         self._plain: set = set()  # keys whose buffer is an ordinary array (/dev/shm too small)
         self._outputs: dict = {}  # (dtype, sizes) -> [(base, views)]
+        self._buckets: dict = {}  # bucket slot -> TorusComm.alloc array
         self.made = 0
 
     @property
@@ -76,6 +77,25 @@ class WindowBuffers:
         self._shared[key] = buf
         self.made += 1
         return buf
+
+    def bucket_window(self, slot, wire: np.dtype, count: int) -> np.ndarray:
+        """A shared buffer of its own for the gradient bucket ``slot`` (buckets.py; apart from the fused
+        layouts, so that two buckets of one size never share one); an ordinary array where /dev/shm is too
+        small. Collective, like ``TorusComm.alloc``."""
+        try:
+            buf = self.torus_comm.alloc(count, wire)
+        except MemoryError:
+            buf = np.empty(count, wire)
+        else:
+            self._buckets[slot] = buf
+            self.made += 1
+        return buf
+
+    def free_bucket(self, slot) -> None:
+        """Free ``slot``'s shared buffer, if it has one (collective)."""
+        buf = self._buckets.pop(slot, None)
+        if buf is not None:
+            self.torus_comm.free_alloc(buf)
 
     def _output(self, dtype: np.dtype, pieces) -> list:
         """Views (one per piece, its shape, ALIGN-aligned) of an output buffer nothing else refers to."""

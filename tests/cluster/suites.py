@@ -1,6 +1,7 @@
-"""The cluster suites: the emulated cluster itself, the collective suites of tests/mpi run across emulated
-hosts, node detection, faults across hosts and torus-train with --resume across hosts
-(``python -m tests.cluster test``; ``--quick``: the cluster, node detection and faults only).
+"""The cluster suites: the emulated cluster itself, the collective suites of tests/mpi (and the gradient
+buckets of overlap) run across emulated hosts, node detection, faults across hosts and torus-train with
+--resume across hosts (``python -m tests.cluster test``; ``--quick``: the cluster, node detection and faults
+only).
 
 Layouts: 2 hosts x 2 ranks (links shaped to 2 Gbit/s with tc tbf; rows of torus2d-2x2 inside hosts, columns
 across them, 1xN and Nx1 grids across them; hierarchical-nodes on the real nodes; then the same hosts with
@@ -30,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 NAME, SUBNET = "torust", 14
 MPI_SUITES = ["tests/cluster/cluster_nodes.py", "tests/mpi/test_allreduce.py", "tests/mpi/test_reduce_scatter.py",
-              "tests/mpi/test_allgather.py", "tests/mpi/test_properties.py"]
+              "tests/mpi/test_allgather.py", "tests/mpi/test_properties.py", "tests/mpi/test_overlap_stress.py",
+              "tests/mpi/test_keras_overlap.py"]
 ROUND_ROBIN_SUITE = "tests/cluster/cluster_round_robin.py"
 LAYOUTS = [(2, 2, "2gbit"), (3, 1, None)]
 LIMIT_S = 900

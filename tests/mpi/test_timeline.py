@@ -182,8 +182,8 @@ def test_merge_command_equals_collective_close(shared_dir):
     path = shared_dir / "t.json"
     gathered = timeline.Timeline._payload
 
-    def payload_and_file(self):
-        p = gathered(self)
+    def payload_and_file(self, events):
+        p = gathered(self, events)
         timeline._write_json(f"{self.path}.copy{self.rank}", p)
         return p
 

@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Gradient all-reduce behind backprop: a training step with overlap on against off, side by side, with compute
+alone and the all-reduce alone measured in the same run.
+
+    python -m tests.cluster up 2 --rate 1gbit
+    python -m tests.cluster run -- -n 2 python bench/overlap.py --model resnet50 --json bench/results/overlap.jsonl
+
+Per round (``--rounds``, alternating): ``on`` and ``off`` are ``model.fit`` under one ``TorusStrategy`` with
+``strategy.host.overlap`` set and the train function rebuilt; ``compute`` is the same model's step on this rank
+alone (``fit_hook.local()``, a copy outside the strategy: forward, backward, update, no communication);
+``allreduce`` is the gradient list alone through ``allreduce_tensors`` (overlap off) in a ``tf.function``.
+Each value is the median over ``--steps`` steps (after ``--warmup`` untimed ones) of rank 0's wall time from
+batch begin to batch end; the reported figure is the median over rounds. ``exposed_s``: the time the step's
+bucket waits blocked (buckets.py), ``comm_s``: the buckets' time on the communication thread, ``cpu_s``: the
+process's CPU time (every thread), per step. With ``TORUS_TIMELINE=FILE`` the strategy writes a Chrome trace of
+the run (README, "Overlap").
+Models: ``resnet50`` (``keras.applications.ResNet50(weights=None)``, 32x32x3, 10 classes, 90 MiB of gradients)
+and ``mlp`` (4 x Dense(1024), about 12 MiB). TensorFlow threads: ``--threads`` intra-op and inter-op.
+Rank 0 prints one JSON line per configuration and appends it to ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def build(keras, name: str):
+    if name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10), (32, 32, 3)
+    layers = [keras.Input((256,))] + [keras.layers.Dense(1024, activation="relu") for _ in range(4)]
+    return keras.Sequential(layers + [keras.layers.Dense(10)]), (256,)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("resnet50", "mlp"), default="resnet50")
+    ap.add_argument("--batch", type=int, default=32, help="per-rank batch (32)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="TensorFlow intra/inter-op threads (0: TF's default)")
+    ap.add_argument("--algorithm", default="auto")
+    ap.add_argument("--compression", default="none", choices=("none", "fp16", "bf16"))
+    ap.add_argument("--bucket-bytes", type=int, default=None)
+    ap.add_argument("--modes", default="on,off,compute,allreduce")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import numpy as np
+    import tensorflow as tf
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    import keras
+
+    from torus.integrations.keras import TorusStrategy, allreduce_tensors, fit_hook
+
+    strategy = TorusStrategy(algorithm=args.algorithm, compression=args.compression, overlap=True,
+                             bucket_bytes=args.bucket_bytes)
+    host, comm = strategy.host, strategy.torus_comm.comm
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model, shape = build(keras, args.model)
+        model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=args.model == "mlp"), jit_compile=False)
+    alone, _ = build(keras, args.model)
+    alone.compile(keras.optimizers.SGD(0.01, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=args.model == "mlp"), jit_compile=False)
+    global_batch = args.batch * strategy.size
+    rng = np.random.default_rng(0)
+    n_steps = args.warmup + args.steps
+    x = rng.random((global_batch * n_steps, *shape), np.float32)
+    y = rng.integers(0, 10, global_batch * n_steps)
+    grads = [tf.constant(rng.random(v.shape, np.float32)) for v in model.trainable_variables]
+    reduce_alone = tf.function(lambda g: allreduce_tensors(host, g, "sum"))
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self.exposed, self.comm_s, self.cpu = [], [], [], []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.t0, self.p0 = time.perf_counter(), time.process_time()
+            self.e0, self.c0 = host.buckets.exposed_seconds, host.buckets.comm_seconds
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch >= args.warmup:
+                self.times.append(time.perf_counter() - self.t0)
+                self.cpu.append(time.process_time() - self.p0)
+                self.exposed.append(host.buckets.exposed_seconds - self.e0)
+                self.comm_s.append(host.buckets.comm_seconds - self.c0)
+
+    def step(mode: str) -> dict:
+        if mode in ("on", "off"):
+            host.overlap = mode == "on"
+            model.make_train_function(force=True)
+            timer = Timer()
+            model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+            return {"step_s": float(np.median(timer.times)), "exposed_s": float(np.median(timer.exposed)),
+                    "comm_s": float(np.median(timer.comm_s)), "cpu_s": float(np.median(timer.cpu))}
+        if mode == "compute":
+            timer = Timer()
+            with fit_hook.local():
+                alone.fit(x[:args.batch * n_steps], y[:args.batch * n_steps], batch_size=args.batch, epochs=1,
+                          shuffle=False, verbose=0, callbacks=[timer])
+            comm.Barrier()
+            return {"step_s": float(np.median(timer.times)), "cpu_s": float(np.median(timer.cpu))}
+        host.overlap = False
+        times, cpu = [], []
+        for i in range(n_steps):
+            comm.Barrier()
+            t0, p0 = time.perf_counter(), time.process_time()
+            reduce_alone(grads)[0].numpy()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - p0)
+        return {"step_s": float(np.median(times)), "cpu_s": float(np.median(cpu))}
+
+    modes = args.modes.split(",")
+    rounds: dict = {m: [] for m in modes}
+    for _ in range(args.rounds):
+        for m in modes:
+            rounds[m].append(step(m))
+    result = {m: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for m, rs in rounds.items()}
+    result.update({"model": args.model, "ranks": strategy.size, "nodes": strategy.torus_comm.topology.nodes,
+                   "per_rank_batch": args.batch, "algorithm": args.algorithm, "compression": args.compression,
+                   "bucket_bytes": host.bucket_bytes, "threads": args.threads, "rounds": args.rounds,
+                   "link_gbits": strategy.torus_comm.link_gbits, "load_avg_1min": os.getloadavg()[0],
+                   "gradient_mib": sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 4 / 2**20,
+                   "per_round": rounds})
+    if "on" in result and "off" in result:
+        result["on_over_off"] = result["on"]["step_s"] / result["off"]["step_s"]
+    if all(m in result for m in ("on", "compute", "allreduce")):
+        result["on_over_max_alone"] = result["on"]["step_s"] / max(result["compute"]["step_s"],
+                                                                   result["allreduce"]["step_s"])
+    if strategy.is_chief:
+        line = json.dumps(result)
+        print(line)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
