@@ -29,7 +29,7 @@ from torus._ext import _reduce
 
 cnp.import_array()
 
-from host_c cimport monotonic_s, reduce_t, sched_yield
+from host_c cimport monotonic_s, nanosleep, reduce_t, sched_yield, timespec
 
 cdef reduce_t _reduce_raw = <reduce_t>PyCapsule_GetPointer(_reduce.raw_reduce(), b"torus._ext._reduce.raw")
 
@@ -74,9 +74,11 @@ cdef class Communicators:
         free(self.handles)
 
 
-cdef int _wait(MPI_Request* req, double timeout, int* mpi_rc) noexcept nogil:
+cdef int _wait(MPI_Request* req, double timeout, long pause_ns, int* mpi_rc) noexcept nogil:
     """0 when ``req`` completed, 1 after ``timeout`` s (> 0) without completion, 2 on an MPI error. Yields
-    the core after every unsuccessful test, as faults.wait does (the rank it waits for may need it)."""
+    the core after every unsuccessful test, as faults.wait does (the rank it waits for may need it); after 64
+    of them, with ``pause_ns`` > 0, sleeps that long between tests instead (a communication thread beside
+    compute: a yield gives nothing to threads of lower priority, so a polling thread would hold a core)."""
     cdef int flag = 0, polls = 0
     cdef double deadline = 0.0
     cdef int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE)
@@ -87,8 +89,14 @@ cdef int _wait(MPI_Request* req, double timeout, int* mpi_rc) noexcept nogil:
         return 0
     if timeout > 0:
         deadline = monotonic_s() + timeout
+    cdef timespec pause
+    pause.tv_sec = 0
+    pause.tv_nsec = pause_ns
     while True:
-        sched_yield()
+        if pause_ns > 0 and polls > 64:
+            nanosleep(&pause, NULL)
+        else:
+            sched_yield()
         rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE)
         if rc != MPI_SUCCESS:
             mpi_rc[0] = rc
@@ -104,18 +112,20 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
         const int64_t[::1] retire_lo, const int64_t[::1] tail, const int64_t[::1] send_row,
         const int64_t[:, ::1] prefill, const int64_t[::1] prefill_lo, const int64_t[:, ::1] scales,
         Communicators comms not None, cnp.ndarray buf not None, cnp.ndarray src, cnp.ndarray tmp, int kind,
-        int op, double scale, int nthreads, double timeout, int tag_mod, scale_step):
+        int op, double scale, int nthreads, double timeout, int tag_mod, scale_step, double pause=0.0):
     """Run the plan; returns ``(status, step, row, mpi_rc)``: status 0 done, 1 timed out waiting on
     message ``row`` in ``step``, 2 an MPI call failed with ``mpi_rc``. ``comms``: the communicators the
     table's COMM column indexes. A message's tag is its step index modulo ``tag_mod``
     (torus.runtime.compile.TAG_MOD). ``scale_step(lo, hi)`` (Python, called with the GIL) scales elements
-    [lo, hi) of buf for the plan's scale steps."""
+    [lo, hi) of buf for the plan's scale steps. ``pause``: seconds (< 1) a long wait sleeps between tests
+    (``_wait``; 0: it only yields)."""
     cdef char* b = <char*>cnp.PyArray_DATA(buf)
     cdef char* s = <char*>cnp.PyArray_DATA(src) if src is not None else NULL
     cdef char* t = <char*>cnp.PyArray_DATA(tmp) if tmp is not None else NULL
     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(buf)
     cdef Py_ssize_t nsteps = step_lo.shape[0] - 1, nsends = send_row.shape[0], si = 0, i = -1, j, nr, maxr = 1
     cdef int status = 0, mpi_rc = 0, rc, tag
+    cdef long pause_ns = <long>(min(max(pause, 0.0), 0.999) * 1e9)
     cdef int64_t blo, n
     cdef char* data
     for si in range(nsteps):
@@ -132,7 +142,7 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
         with nogil:
             for si in range(nsteps):
                 for j in range(retire_lo[si], retire_lo[si + 1]):
-                    status = _wait(&sreq[retire[j]], timeout, &mpi_rc)
+                    status = _wait(&sreq[retire[j]], timeout, pause_ns, &mpi_rc)
                     if status:
                         i = send_row[retire[j]]
                         break
@@ -167,7 +177,7 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
                 for i in range(step_lo[si], step_lo[si + 1]):
                     if msgs[i, KIND] != 0:
                         continue
-                    status = _wait(&rreq[nr], timeout, &mpi_rc)
+                    status = _wait(&rreq[nr], timeout, pause_ns, &mpi_rc)
                     nr += 1
                     if status:
                         break
@@ -186,7 +196,7 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
             if not status:
                 si = nsteps
                 for j in range(tail.shape[0]):
-                    status = _wait(&sreq[tail[j]], timeout, &mpi_rc)
+                    status = _wait(&sreq[tail[j]], timeout, pause_ns, &mpi_rc)
                     if status:
                         i = send_row[tail[j]]
                         break

@@ -11,6 +11,7 @@ cdef extern from "time.h" nogil:
         long tv_nsec
     int CLOCK_MONOTONIC
     int clock_gettime(int, timespec*)
+    int nanosleep(const timespec*, timespec*)
 
 ctypedef void (*reduce_t)(int, char*, const char*, const char*, Py_ssize_t, Py_ssize_t, int, double,
                           int) noexcept nogil

@@ -109,6 +109,11 @@ class HostAllreduce:
         self.timeline = timeline
         self.name = "allreduce"
 
+    def comm_seconds(self) -> tuple[float, float]:
+        """(communication, exposed) seconds so far: every all-reduce of this host, and the part the caller
+        waited for (all of a blocking call; a bucket's wait in the graph, buckets.py)."""
+        return self.seconds + self.buckets.comm_seconds, self.seconds + self.buckets.exposed_seconds
+
     def wire_of(self, dtype: np.dtype):
         return self.wire if self.wire is not None and dtype == np.float32 else None
 

@@ -86,6 +86,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dims", metavar="XxY", help="torus2d grid, X*Y = the rank count (default: MPI_Dims_create's)")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"],
                    help="wire format of the gradients")
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="all-reduce gradient buckets during backprop (auto: on across nodes; TORUS_OVERLAP)")
+    p.add_argument("--bucket-bytes", type=int, metavar="N", help="gradient bucket cap (default 25 MiB)")
+    p.add_argument("--timeline", metavar="FILE", help="write a Chrome trace of every rank's steps, buckets and "
+                   "all-reduces here (TORUS_TIMELINE; open in ui.perfetto.dev)")
     p.add_argument("--trainer", default="fit", choices=["fit", "loop"],
                    help="keras Model.fit, or a GradientTape loop")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="rank 0 writes a checkpoint here after every epoch, "
@@ -151,9 +156,12 @@ def _check(p, args, size: int | None) -> None:
         if uneven:
             p.error(f"--batch-schedule {args.batch_schedule}: global batch {', '.join(map(str, uneven))} does not "
                     f"divide into {size} ranks")
-    problem = writable_file("--summary", args.summary)
-    if problem:
-        p.error(problem)
+    for flag, path in (("--summary", args.summary), ("--timeline", args.timeline)):
+        problem = writable_file(flag, path)
+        if problem:
+            p.error(problem)
+    if args.bucket_bytes is not None and args.bucket_bytes < 1:
+        p.error(f"--bucket-bytes {args.bucket_bytes}: must be at least 1")
     for flag, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard)):
         if folder and os.path.exists(folder) and not os.path.isdir(folder):
             p.error(f"{flag} {folder}: exists and is not a folder")
@@ -372,8 +380,11 @@ class Trainer:
         self.args, self.comm, self.threads = args, comm, threads
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         dims = tuple(int(n) for n in args.dims.lower().split("x")) if args.dims else None
+        if args.timeline:
+            os.environ["TORUS_TIMELINE"] = args.timeline
         self.strategy = TorusStrategy(dims=dims, algorithm=args.algorithm, compression=args.compression,
-                                      comm=comm)
+                                      comm=comm, overlap={"on": True, "off": False}.get(args.overlap),
+                                      bucket_bytes=args.bucket_bytes)
         self.schedule = BatchSizeSchedule(args.batch_schedule)
         self.lr_rule = LearningRateRule(args.lr, args.base_batch, args.warmup_epochs, "poly", args.epochs)
         self.augment = data.Augment.parse(args.augment or ("crop,flip" if args.data else "none"))
@@ -545,15 +556,19 @@ class Trainer:
             dataset = self._train_data(epoch, per_rank, steps)
             self.epoch_steps = steps
             t0 = time.perf_counter()
+            comm0, exposed0 = self.strategy.host.comm_seconds()
             logs = self._fit_epoch(dataset, epoch, steps, callbacks) if args.trainer == "fit" \
                 else self._loop_epoch(dataset, epoch, steps)
             seconds = time.perf_counter() - t0
+            comm_s, exposed_s = (b - a for a, b in zip((comm0, exposed0), self.strategy.host.comm_seconds()))
             _average_variables(self.comm, self.model.non_trainable_variables)
             record = {"epoch": epoch + 1, "global_batch": global_batch, "steps": steps, "seconds": seconds,
                       "images_per_s": self.clock.images_per_s(global_batch) or steps * global_batch / seconds,
                       "timed_steps": self.clock.steps, "timed_seconds": self.clock.last - self.clock.first,
                       "loss": logs["loss"],
-                      "accuracy": logs["accuracy"], "learning_rate": logs.get("learning_rate")}
+                      "accuracy": logs["accuracy"], "learning_rate": logs.get("learning_rate"),
+                      "allreduce_s": comm_s, "exposed_s": exposed_s,
+                      "overlap": 1 - exposed_s / comm_s if comm_s > 0 else None}
             if not args.synthetic:
                 val = data.val_dataset(self.val_split, batch_size=max(per_rank, 64), image_size=args.image_size,
                                        central_fraction=0.875 if args.data else 1.0)
@@ -561,12 +576,15 @@ class Trainer:
             history.append(record)
             if self.rank == 0 and args.verbose:
                 print("epoch {epoch}/{n}: batch {global_batch}, loss {loss:.4f}, accuracy {accuracy:.4f}, "
-                      "{images_per_s:.1f} images/s".format(n=args.epochs, **record)
+                      "{images_per_s:.1f} images/s, gradient all-reduce {allreduce_s:.2f} s (exposed "
+                      "{exposed_s:.2f} s)".format(n=args.epochs, **record)
                       + (", val top-1 {val_top1:.4f}, top-5 {val_top5:.4f}".format(**record)
                          if "val_top1" in record else ""), flush=True)
             if self.rank == 0 and args.checkpoint_dir:
                 checkpoint.save(args.checkpoint_dir, epoch + 1, self.model,
                                 {"epoch": epoch + 1, "history": history, "args": vars(args)})
+        if self.strategy.timeline is not None and args.trainer == "loop":  # fit saves it itself
+            self.strategy.timeline.save()
         return self._summary(history, time.perf_counter() - t_start)
 
     def _summary(self, history: list, seconds: float) -> dict:
@@ -580,7 +598,9 @@ class Trainer:
                    "world_size": self.size, "algorithm": args.algorithm, "grid": list(self.strategy.torus_comm.dims),
                    "compression": args.compression, "trainer": args.trainer, "model": args.model,
                    "image_size": args.image_size, "data": "synthetic" if args.synthetic else self.root,
-                   "threads_per_rank": self.threads, "history": history}
+                   "threads_per_rank": self.threads, "overlap": self.strategy.host.overlap,
+                   "bucket_bytes": self.strategy.host.bucket_bytes, "timeline": args.timeline,
+                   "history": history}
         path = self.summary_path()
         if self.rank == 0 and path:
             with open(path, "w") as f:

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from torus import kernels
 from torus._ext import _reduce  # type: ignore[attr-defined]  # compiled, no stubs
+from torus.runtime import progress
 from torus.runtime.compile import TAG_MOD
 
 
@@ -91,7 +92,7 @@ def run(ex, what: str, plan, buf: np.ndarray, op_code: int, scale: float, src, t
     *arrays, msgs = plan.table
     status, si, row, rc = _step_loop.run(*arrays, buf, src, tmp, _reduce.kind(buf), op_code, scale,
                                      kernels.get_num_threads(), ex.timeout or 0.0, TAG_MOD,
-                                     lambda lo, hi: kernels.scale(buf[lo:hi], scale))
+                                     lambda lo, hi: kernels.scale(buf[lo:hi], scale), progress.poll_pause())
     if status == 1:
         step, m = msgs[row]
         ex.stalled(what, step, len(plan.steps), m)

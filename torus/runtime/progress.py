@@ -14,6 +14,13 @@ Contract:
   is stopped after its current job; queued jobs are failed, never left to block the exit. A job is bounded
   by the communicator's stall timeout like any collective.
 
+The thread asks for a higher CPU priority (``nice`` ``TORUS_COMM_NICE``, default -10; Linux, where the process
+may: root or CAP_SYS_NICE; otherwise it keeps its priority) and its long MPI waits sleep ``TORUS_COMM_POLL_US``
+(default 200) microseconds between tests (``poll_pause``, read by the C step loop) instead of spinning: beside
+TensorFlow's compute threads on every core, a spinning waiter either holds a core compute needs (at high
+priority) or gets the CPU too late to keep the link busy (at equal priority); sleeping at high priority wakes
+as data arrives and leaves the cores to compute in between (bench/README.md, "Overlap").
+
 MPI must allow calls from a second thread (``MPI.Query_thread() >= MPI.THREAD_SERIALIZED``; ``threads_ok``);
 callers fall back to blocking calls where it does not.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import queue
 import threading
 import weakref
@@ -32,6 +40,23 @@ from torus.errors import TorusError
 
 _all: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TorusComm -> Progress
 _lock = threading.Lock()
+
+
+_local = threading.local()
+
+
+def poll_pause() -> float:
+    """Seconds a long MPI wait on the calling thread sleeps between tests: ``TORUS_COMM_POLL_US`` on a
+    communication thread, 0 (yield only) elsewhere."""
+    return getattr(_local, "pause", 0.0)
+
+
+def _settings() -> tuple[int, float]:
+    nice = int(os.environ.get("TORUS_COMM_NICE", "-10") or 0)
+    pause_us = float(os.environ.get("TORUS_COMM_POLL_US", "200") or 0)
+    if not 0 <= pause_us < 1e6:
+        raise ValueError(f"TORUS_COMM_POLL_US={pause_us:g}: expected 0 to 999999 microseconds")
+    return nice, pause_us * 1e-6
 
 
 def threads_ok() -> bool:
@@ -58,6 +83,8 @@ class Progress:
         self._lock = threading.Lock()
         self._submitted = itertools.count()
         self._failed: tuple[int, BaseException] | None = None  # (jobs submitted when seen, the exception)
+        self._settings = _settings()  # read here, so that a bad value raises in the caller
+        self.nice = 0  # the thread's nice value once it runs (0 where raising it was refused)
 
     @property
     def started(self) -> bool:
@@ -90,6 +117,13 @@ class Progress:
         thread.join(timeout)
 
     def _run(self) -> None:
+        nice, _local.pause = self._settings
+        if nice:
+            try:  # Linux: a thread's own nice value; EACCES without the right to raise priority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+                self.nice = nice
+            except OSError:
+                pass
         while True:
             item = self._queue.get()
             if item is None:
