@@ -43,15 +43,20 @@ cdef enum:
 # ml_dtypes registers bfloat16 as a user-defined numpy type; its type number is fixed once imported.
 cdef int BF16_TYPENUM = np.dtype(ml_dtypes.bfloat16).num
 
-# Below this many elements per thread a parallel region costs more than it saves.
-cdef Py_ssize_t MIN_PER_THREAD = 1 << 16
+# Below this many bytes per thread a parallel region costs more than it saves. Counted in bytes, not
+# elements: the loops run at about the same bytes per second for every dtype (16-bit ones included), and a
+# segment is a number of bytes. Counted in elements (65,536, this value for float32), every 16-bit segment of
+# the default 256 KiB across nodes forked a parallel region where a float32 one of the same bytes did not;
+# where the ranks' threads outnumber the cores, each such region may wait a scheduler slice for its second
+# thread while the link idles (bench/README.md, "16-bit all-reduce across hosts").
+cdef Py_ssize_t MIN_BYTES_PER_THREAD = 256 << 10
 
 
-cdef inline int _threads(Py_ssize_t n, int nthreads) noexcept nogil:
+cdef inline int _threads(Py_ssize_t nbytes, int nthreads) noexcept nogil:
     if nthreads < 1:
         return 1
-    if n < MIN_PER_THREAD * nthreads:
-        nthreads = <int>(n // MIN_PER_THREAD)
+    if nbytes < MIN_BYTES_PER_THREAD * nthreads:
+        nthreads = <int>(nbytes // MIN_BYTES_PER_THREAD)
     return nthreads if nthreads > 1 else 1
 
 
@@ -146,7 +151,7 @@ cdef void _reduce_raw(int kind, char* o, const char* a, const char* s, Py_ssize_
                       double scale, int nthreads) noexcept nogil:
     """``reduce`` on raw pointers, checks done: split over up to ``nthreads`` OpenMP threads."""
     cdef Py_ssize_t b, lo, hi, block
-    cdef int t = _threads(n, nthreads)
+    cdef int t = _threads(n * item, nthreads)
     if t == 1:
         _loop(kind, o, a, s, n, op, scale)
     else:
@@ -156,6 +161,11 @@ cdef void _reduce_raw(int kind, char* o, const char* a, const char* s, Py_ssize_
             hi = lo + block if lo + block < n else n
             if hi > lo:
                 _loop(kind, o + lo * item, a + lo * item, s + lo * item, hi - lo, op, scale)
+
+
+def threads(cnp.ndarray a not None, int nthreads):
+    """The OpenMP threads ``reduce`` splits a reduction over ``a`` across with at most ``nthreads``."""
+    return _threads(cnp.PyArray_SIZE(a) * cnp.PyArray_ITEMSIZE(a), nthreads)
 
 
 def kind(cnp.ndarray a not None):

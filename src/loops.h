@@ -121,4 +121,62 @@ static inline void torus_reduce_f163(uint16_t *out, const uint16_t *a, const uin
 #define torus_reduce_f16 torus_reduce_f16_portable
 #define torus_reduce_f163 torus_reduce_f16_portable3
 #endif
+
+/* Casts between float32 and the 16-bit formats, and the in-place 16-bit scale (src/_convert.pyx calls them):
+ * multi-versioned as above; float16's narrowing and scaling also have an F16C path (hardware rounding to
+ * nearest even, the same bits as the portable path but for NaN payloads, which narrowing does not specify).
+ * Widening stays portable: F16C quiets signalling NaNs, and widening keeps every payload, as numpy does. */
+TORUS_CLONES static void torus_widen_f16(float *restrict dst, const uint16_t *restrict src, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
+}
+TORUS_CLONES static void torus_widen_bf16(float *restrict dst, const uint16_t *restrict src, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+TORUS_CLONES static void torus_narrow_f16_portable(uint16_t *restrict dst, const float *restrict src,
+                                                   ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
+}
+TORUS_CLONES static void torus_narrow_bf16(uint16_t *restrict dst, const float *restrict src, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+TORUS_CLONES static void torus_scale_f16_portable(uint16_t *restrict buf, ptrdiff_t n, float s) {
+    for (ptrdiff_t i = 0; i < n; i++) buf[i] = f32_to_f16(f16_to_f32(buf[i]) * s);
+}
+TORUS_CLONES static void torus_scale_bf16(uint16_t *restrict buf, ptrdiff_t n, float s) {
+    for (ptrdiff_t i = 0; i < n; i++) buf[i] = f32_to_bf16(bf16_to_f32(buf[i]) * s);
+}
+
+#ifdef TORUS_X86
+__attribute__((target("avx2,f16c")))
+static void torus_narrow_f16_f16c(uint16_t *restrict dst, const float *restrict src, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    torus_narrow_f16_portable(dst + i, src + i, n - i);
+}
+
+__attribute__((target("avx2,f16c")))
+static void torus_scale_f16_f16c(uint16_t *restrict buf, ptrdiff_t n, float s) {
+    const __m256 vs = _mm256_set1_ps(s);
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(buf + i)));
+        _mm_storeu_si128((__m128i *)(buf + i), _mm256_cvtps_ph(_mm256_mul_ps(x, vs), _MM_FROUND_TO_NEAREST_INT));
+    }
+    torus_scale_f16_portable(buf + i, n - i, s);
+}
+
+static inline void torus_narrow_f16(uint16_t *dst, const float *src, ptrdiff_t n) {
+    if (torus_has_f16c()) torus_narrow_f16_f16c(dst, src, n);
+    else torus_narrow_f16_portable(dst, src, n);
+}
+
+static inline void torus_scale_f16(uint16_t *buf, ptrdiff_t n, float s) {
+    if (torus_has_f16c()) torus_scale_f16_f16c(buf, n, s);
+    else torus_scale_f16_portable(buf, n, s);
+}
+#else
+#define torus_narrow_f16 torus_narrow_f16_portable
+#define torus_scale_f16 torus_scale_f16_portable
+#endif
 #endif

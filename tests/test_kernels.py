@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 
 from torus import kernels
+from torus._ext import _reduce  # type: ignore[attr-defined]  # compiled, no stubs
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HALVES = [np.dtype(np.float16), BF16]
 DTYPES = [*HALVES, np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64)]
 NUMPY_OP = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-# 0 and 1 take the early exits; 300,001 > 2 threads x 65,536 takes the parallel path with a ragged end.
+# 0 and 1 take the early exits; 300,001 elements (600,002 bytes and more) > 2 threads x 256 KiB take the
+# parallel path with a ragged end (test_thread_split_counts_bytes checks that they do).
 LENGTHS = [0, 1, 7, 300_001]
 
 
@@ -66,6 +68,18 @@ def test_reduce_into_matches_numpy(into, op, dtype, n, rng):
     if out is not None:
         np.testing.assert_array_equal(_bits(acc), _bits(a))
     np.testing.assert_array_equal(_bits(src), _bits(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thread_split_counts_bytes(dtype):
+    """A reduction forks as many OpenMP threads for a 16-bit array as for a float32 one of the same bytes
+    (256 KiB per thread): counted in elements, the default 256 KiB segment across nodes went parallel for
+    float16/bfloat16 only, and across emulated hosts such per-segment parallel regions made the 16-bit
+    all-reduce slower than float32's (bench/README.md). The test lengths above do take the parallel path."""
+    per = (256 << 10) // dtype.itemsize
+    for n, nthreads, want in [(0, 2, 1), (1, 2, 1), (per, 2, 1), (2 * per - 1, 2, 1), (2 * per, 2, 2),
+                              (2 * per, 1, 1), (8 * per, 4, 4), (5 * per, 8, 5), (LENGTHS[-1], 2, 2)]:
+        assert _reduce.threads(np.empty(n, dtype), nthreads) == want, (n, nthreads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:4], ids=str)

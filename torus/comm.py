@@ -83,8 +83,10 @@ class TorusComm:
         order). Device buffers of such calls are staged through pinned host memory.
     threads : "auto", int or None
         OpenMP threads of the host kernels, a process-wide setting (``torus.kernels.set_num_threads``).
-        "auto" (default): the CPUs divided by the ranks on this node, unless ``TORUS_NUM_THREADS`` is set; an
-        int: that many; None: leave the setting as it is (e.g. when the application manages threads).
+        "auto" (default): the CPUs divided by the ranks on this node (on this machine, by host name, where
+        nodes share one: hosts emulated by network namespaces, ``ranks_per_node``), unless
+        ``TORUS_NUM_THREADS`` is set; an int: that many; None: leave the setting as it is (e.g. when the
+        application manages threads).
 
     Memory: calls keep their working buffers for the next call (a fresh allocation would cost page faults
     every step), growing only: one step's incoming data (all-reduce: ``count / size`` elements for the ring,
@@ -110,8 +112,10 @@ class TorusComm:
         self.local_rank, self.local_size = t.local_rank, t.local_size
         self.row_comm, self.col_comm, self.local_comm, self.cross_comm = (
             self.comm.Split(*t.split(name)) for name in ("row", "col", "local", "cross"))
+        # the ranks that share this rank's CPUs: its node's, or more where nodes share a machine (collective)
+        on_machine = options.machine_ranks(self.comm) if t.nodes > 1 else t.local_size
         if threads == "auto" and "TORUS_NUM_THREADS" not in os.environ:
-            kernels.set_num_threads((os.cpu_count() or 1) // self.local_size)
+            kernels.set_num_threads((os.cpu_count() or 1) // max(on_machine, t.local_size))
         elif threads not in ("auto", None):
             kernels.set_num_threads(int(threads))
         comms: dict = {"world": self.comm, "row": self.row_comm, "col": self.col_comm,  # Split's are Intracomms
@@ -120,7 +124,8 @@ class TorusComm:
         # Node-level transports for the shared-memory phases across nodes (a window each, set up at first use);
         # node_memory is collective whatever this rank's shm_phases, so that ranks that differ in it reach the
         # argument check (which names it) rather than hang here
-        machine = options.node_memory(self.comm, self.local_comm, t, bool(o.ranks_per_node)) if t.nodes > 1 else None
+        machine = (options.node_memory(self.comm, self.local_comm, t, bool(o.ranks_per_node), on_machine)
+                   if t.nodes > 1 else None)
         self._node_shm = {} if machine is None or not o.shm_phases else {
             name: SharedMemory(comms[name], comms[name].Get_rank(), comms[name].Get_size(),
                                o.segment_bytes or None, o.timeout, t.members(name), machine)

@@ -16,9 +16,11 @@ from torus import link
 from torus.topology import Topology, node_dims, node_indices
 
 SEGMENT_BYTES = 1 << 20
-# Across nodes: MPICH's UCX over TCP moved 1 MiB and 512 KiB messages at a fraction of the link's rate when
-# many were in flight (a handshake per message, likely its rendezvous protocol) and 256 KiB ones at the
-# link's rate (bench/README.md, "Across hosts").
+# Across nodes: on emulated hosts 1 MiB and 512 KiB segments moved at a fraction of the link's rate and
+# 256 KiB ones at its rate (bench/README.md, "Across hosts"; put down to UCX's rendezvous over TCP then). Those
+# runs gave each rank every core of the shared machine; with the cores split among its ranks (TorusComm's
+# threads="auto" now), 512 KiB segments ran at the link's rate too (bench/README.md, "16-bit all-reduce
+# across hosts"), so the slowdown was likely the kernels' parallel regions. 256 KiB is kept: not re-measured.
 CROSS_NODE_SEGMENT_BYTES = 256 << 10
 
 
@@ -94,14 +96,19 @@ def discover(comm: MPI.Intracomm, options: Options) -> Topology:
     return Topology(rank, size, dims, node_of)
 
 
-def node_memory(comm: MPI.Comm, local: MPI.Comm, topology: Topology, emulated: bool) -> int | None:
-    """For the shared-memory phases across nodes: the ranks on this rank's machine (what the transport's spin
-    rule counts), by host name (hosts emulated by network namespaces share one machine and its name), or
-    None where some node's ranks do not all share memory (emulated nodes larger than the machines they run
-    on), so that no rank runs them. ``local``: this rank's node communicator. Collective; real nodes are
-    ranks sharing memory by definition."""
+def machine_ranks(comm: MPI.Comm) -> int:
+    """The ranks of ``comm`` on this rank's machine, by host name: more than its node's where nodes share a
+    machine (hosts emulated by network namespaces share one machine and its name, as do ``ranks_per_node``'s
+    nodes). Collective."""
     names = comm.allgather(socket.gethostname())
-    ranks = names.count(names[comm.Get_rank()])
+    return names.count(names[comm.Get_rank()])
+
+
+def node_memory(comm: MPI.Comm, local: MPI.Comm, topology: Topology, emulated: bool, ranks: int) -> int | None:
+    """For the shared-memory phases across nodes: ``ranks``, the ranks on this rank's machine
+    (``machine_ranks``, what the transport's spin rule counts), or None where some node's ranks do not all
+    share memory (emulated nodes larger than the machines they run on), so that no rank runs them. ``local``:
+    this rank's node communicator. Collective; real nodes are ranks sharing memory by definition."""
     if not emulated:
         return ranks
     node = local.Split_type(MPI.COMM_TYPE_SHARED, key=local.Get_rank())

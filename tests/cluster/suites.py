@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 NAME, SUBNET = "torust", 14
 MPI_SUITES = ["tests/cluster/cluster_nodes.py", "tests/mpi/test_allreduce.py", "tests/mpi/test_reduce_scatter.py",
-              "tests/mpi/test_allgather.py", "tests/mpi/test_properties.py", "tests/mpi/test_overlap_stress.py",
-              "tests/mpi/test_keras_overlap.py"]
+              "tests/mpi/test_allgather.py", "tests/mpi/test_properties.py", "tests/mpi/test_threads.py",
+              "tests/mpi/test_overlap_stress.py", "tests/mpi/test_keras_overlap.py"]
 ROUND_ROBIN_SUITE = "tests/cluster/cluster_round_robin.py"
 LAYOUTS = [(2, 2, "2gbit"), (3, 1, None)]
 LIMIT_S = 900
