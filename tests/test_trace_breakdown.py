@@ -1,0 +1,41 @@
+"""``trace.breakdown``: a step's parts, from a synthetic merged trace whose answer is known in closed form."""
+import pytest
+
+pytest.importorskip("keras")
+from torus.integrations.keras.trace import breakdown  # noqa: E402
+
+
+def span(name, pid, ts, dur):
+    return {"name": name, "ph": "X", "pid": pid, "tid": 1, "ts": ts * 1e6, "dur": dur * 1e6}
+
+
+def step(pid, t0, last_start, waits, metric, length):
+    """A step at t0: bucket starts up to last_start (relative), waits (start, dur) relative, a metric."""
+    ev = [span("train step", pid, t0, length), span("bucket 0 start", pid, t0 + 0.1, 0.01),
+          span("bucket 1 start", pid, t0 + last_start - 0.02, 0.02),
+          span("bucket 0 allreduce", pid, t0 + 0.11, 0.5), span("bucket 1 allreduce", pid, t0 + 0.61, 0.3)]
+    ev += [span(f"bucket {k} wait", pid, t0 + s, d) for k, (s, d) in enumerate(waits)]
+    return ev + [span("metric allreduce", pid, t0 + length - metric - 0.01, metric)]
+
+
+def test_the_parts_add_up_and_match_the_closed_form():
+    events = []
+    for k in range(4):  # the first step (tracing) is left out
+        events += step(0, 10.0 * k, 0.6, [(0.6, 0.05), (0.65, 0.26)], 0.02, 1.0 if k else 5.0)
+        events += step(1, 10.0 * k + 0.003, 0.5, [(0.5, 0.0), (0.5, 0.41)], 0.01, 1.0)
+    got = breakdown({"traceEvents": events})
+    r0, r1 = got[0], got[1]
+    assert r0["steps"] == 3
+    assert r0["backprop"] == pytest.approx(0.6) and r0["exposed"] == pytest.approx(0.31)
+    assert r0["metric"] == pytest.approx(0.02) and r0["other"] == pytest.approx(1.0 - 0.6 - 0.31 - 0.02)
+    assert r0["comm"] == pytest.approx(0.8) and r0["hidden"] == pytest.approx(1 - 0.31 / 0.8)
+    assert r1["backprop"] == pytest.approx(0.5) and r1["exposed"] == pytest.approx(0.41)
+
+
+def test_overlap_off_counts_the_fused_allreduce_as_exposed():
+    events = []
+    for k in range(3):
+        events += [span("train step", 0, 5.0 * k, 1.2), span("allreduce", 0, 5.0 * k + 0.45, 0.7)]
+    r = breakdown({"traceEvents": events})[0]
+    assert r["backprop"] == pytest.approx(0.45) and r["exposed"] == pytest.approx(0.7)
+    assert r["hidden"] == pytest.approx(0.0) and r["other"] == pytest.approx(1.2 - 0.45 - 0.7)
