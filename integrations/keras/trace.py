@@ -78,7 +78,8 @@ def breakdown(trace: dict) -> dict:
     - ``exposed``: the bucket waits after that (communication the step did not hide);
     - ``metric``: the metric all-reduces in the step;
     - ``other``: the rest (the optimizer update, input, Keras and callbacks), so the four add up to ``step``;
-    - ``comm``: the buckets' time on the communication thread, and ``hidden`` = 1 - exposed / comm.
+    - ``comm``: the buckets' time on the communication thread, and ``hidden`` = 1 - exposed / comm (at least 0: a
+      wait also costs its own call, which can exceed a tiny bucket's all-reduce).
 
     Steps without buckets (overlap off) count the fused all-reduce as ``exposed`` and ``backprop`` as the
     time before it. Returns ``{rank: {name: seconds}}``."""
@@ -109,7 +110,7 @@ def breakdown(trace: dict) -> dict:
         step_s, backprop, exposed, metric, comm = (float(np.median(c)) / 1e6 for c in zip(*rows))
         out[rank] = {"steps": len(rows), "step": step_s, "backprop": backprop, "exposed": exposed,
                      "metric": metric, "other": step_s - backprop - exposed - metric, "comm": comm,
-                     "hidden": 1 - exposed / comm if comm > 0 else None}
+                     "hidden": max(0.0, 1 - exposed / comm) if comm > 0 else None}
     return out
 
 
