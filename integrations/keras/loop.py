@@ -51,9 +51,20 @@ def check_compression(compression: str):
     return COMPRESSION[compression]
 
 
+SWITCH = {"0": False, "false": False, "off": False, "no": False, "1": True, "true": True, "on": True, "yes": True}
+
+
 def resolve_overlap(torus_comm, overlap: bool | None) -> bool:
-    """``HostAllreduce``'s ``overlap`` with its default (see there); warns once where MPI forbids it."""
-    asked = overlap if overlap is not None else {"0": False, "1": True}.get(os.environ.get("TORUS_OVERLAP", ""))
+    """``HostAllreduce``'s ``overlap`` with its default (see there); warns once where MPI forbids it.
+    ``TypeError`` for an ``overlap`` that is not a bool or None, ``ValueError`` for a ``TORUS_OVERLAP`` that is
+    none of 0/1/false/true/off/on/no/yes (any case) or empty."""
+    if overlap is not None and not isinstance(overlap, (bool, np.bool_)):
+        raise TypeError(f"TorusStrategy on rank {torus_comm.rank}: overlap={overlap!r}: expected True, False or None")
+    text = os.environ.get("TORUS_OVERLAP", "").strip().lower()
+    if overlap is None and text and text not in SWITCH:
+        raise ValueError(f"TorusStrategy on rank {torus_comm.rank}: TORUS_OVERLAP={text!r}: expected 0 or 1 "
+                         "(or false/true, off/on, no/yes; unset or empty for the default)")
+    asked = overlap if overlap is not None else SWITCH.get(text)
     wanted = asked if asked is not None else torus_comm.topology.nodes > 1
     if wanted and not threads_ok():
         if asked and not _warned:
@@ -66,11 +77,22 @@ def resolve_overlap(torus_comm, overlap: bool | None) -> bool:
 
 
 def resolve_bucket_bytes(torus_comm, bucket_bytes: int | None) -> int:
-    value = bucket_bytes if bucket_bytes is not None else int(os.environ.get("TORUS_BUCKET_BYTES", "0") or 0)
-    value = int(value or BUCKET_BYTES)
-    if value < 1:
-        raise ValueError(f"TorusStrategy on rank {torus_comm.rank}: bucket_bytes {value} must be at least 1")
-    return value
+    """``bucket_bytes``, else ``TORUS_BUCKET_BYTES`` (unset or empty: ``BUCKET_BYTES``); an integer of at least
+    1, else ``ValueError`` (``TypeError`` for a non-integer argument) naming the rank and where it came from."""
+    rank = torus_comm.rank
+    if bucket_bytes is None:
+        text = os.environ.get("TORUS_BUCKET_BYTES", "").strip()
+        if not text:
+            return BUCKET_BYTES
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"TorusStrategy on rank {rank}: TORUS_BUCKET_BYTES={text!r}: expected a whole number "
+                             "of bytes, at least 1 (e.g. 4194304)")
+        return int(text)
+    if isinstance(bucket_bytes, (bool, np.bool_)) or not isinstance(bucket_bytes, (int, np.integer)):
+        raise TypeError(f"TorusStrategy on rank {rank}: bucket_bytes={bucket_bytes!r}: expected an int (bytes)")
+    if bucket_bytes < 1:
+        raise ValueError(f"TorusStrategy on rank {rank}: bucket_bytes={bucket_bytes}: must be at least 1")
+    return int(bucket_bytes)
 
 
 _warned: list = []

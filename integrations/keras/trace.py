@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     """``python -m torus.integrations.keras.trace FILE``: the step breakdown of a TORUS_TIMELINE trace."""
     import argparse
     import json
+    import sys
 
     p = argparse.ArgumentParser(prog="python -m torus.integrations.keras.trace",
                                 description="Where the train steps of a TORUS_TIMELINE trace went, per rank.")
@@ -125,6 +126,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with open(args.trace) as f:
         rows = breakdown(json.load(f))
+    if not rows:
+        print(f"{args.trace}: no 'train step' spans (fit records them; a custom loop adds its own with "
+              "strategy.timeline.span('train step', 'step', t0, t1))", file=sys.stderr)
+        return 1
+    print("medians over each rank's train steps after its first (which traces)")
     print("rank  steps   step_s  backprop  exposed   metric    other     comm  hidden")
     for rank, r in rows.items():
         hidden = "" if r["hidden"] is None else f"{r['hidden']:6.0%}"

@@ -567,8 +567,8 @@ class Trainer:
                       "timed_steps": self.clock.steps, "timed_seconds": self.clock.last - self.clock.first,
                       "loss": logs["loss"],
                       "accuracy": logs["accuracy"], "learning_rate": logs.get("learning_rate"),
-                      "allreduce_s": comm_s, "exposed_s": exposed_s,
-                      "overlap": 1 - exposed_s / comm_s if comm_s > 0 else None}
+                      "allreduce_s": comm_s, "exposed_s": min(exposed_s, comm_s),  # a wait's own call, tiny buckets
+                      "overlap": max(0.0, 1 - exposed_s / comm_s) if comm_s > 0 else None}
             if not args.synthetic:
                 val = data.val_dataset(self.val_split, batch_size=max(per_rank, 64), image_size=args.image_size,
                                        central_fraction=0.875 if args.data else 1.0)
