@@ -178,8 +178,10 @@ class HostAllreduce:
         self.seconds += t1 - t0
         self.calls += 1
         if self.timeline is not None:
-            self.timeline.span(self.name, "comm", t0, t1, nbytes=int(sum(np.asarray(b).nbytes for b in bufs)),
-                               algorithm=self.algorithm)
+            nbytes = int(sum(np.asarray(b).nbytes for b in bufs))
+            algorithm = self.algorithm if self.algorithm != "auto" else \
+                self.torus_comm.auto_choice("allreduce", nbytes, True)  # auto's pick for the total
+            self.timeline.span(self.name, "comm", t0, t1, nbytes=nbytes, algorithm=algorithm)
         return out
 
     def _one(self, buf, op):
