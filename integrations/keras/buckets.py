@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from torus import IN_PLACE, agreement, faults, kernels
 from torus.errors import MismatchError
+from torus.integrations.keras.window import pack
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20  # the default cap (TORUS_BUCKET_BYTES); bench/overlap.py measures it
@@ -118,14 +119,7 @@ class Buckets:
             host.progress.call(self._agree, layout)
             self._agreed.add(layout)
         buf = self._buffer(layout, bucket, wire or dtype, count, windowed)
-        offset = 0
-        for p in pieces:  # TensorFlow may reuse the inputs' memory once this op returns: copy now
-            part = buf[offset:offset + p.size]
-            if wire is None:
-                np.copyto(part, p.reshape(-1))
-            else:
-                kernels.narrow(p.reshape(-1), part)
-            offset += p.size
+        pack(pieces, buf, wire is not None)  # TensorFlow may reuse the inputs' memory once this op returns
         self._tokens += 1
         token = self._tokens
         self._pending[token] = host.progress.submit(self._reduce, layout, bucket, buf, dtype, wire, windowed)

@@ -120,3 +120,23 @@ def install(strategy) -> None:
         current = getattr(TensorFlowTrainer, method)
         if not hasattr(current, "_torus_original"):
             setattr(TensorFlowTrainer, method, _wrap(current, method))
+
+
+def add_callback(arguments: dict, cls, *args) -> dict:
+    """For a stage "callbacks": ``arguments`` with ``cls(*args)`` appended to the call's callbacks unless one
+    of ``cls`` is there already (a ``CallbackList`` that Keras built is extended in place, the callback given
+    the model and the list's params; a list or single callback becomes a new list)."""
+    import keras
+
+    callbacks = arguments.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        if not any(isinstance(c, cls) for c in callbacks.callbacks):
+            mine = cls(*args)
+            mine.set_model(arguments["self"])
+            mine.set_params(callbacks.params)
+            callbacks.callbacks.append(mine)
+        return arguments
+    listed = keras.tree.flatten(callbacks) if callbacks else []
+    if not any(isinstance(c, cls) for c in listed):
+        listed.append(cls(*args))
+    return {**arguments, "callbacks": listed}

@@ -22,6 +22,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from torus.integrations.keras import fit_hook
+
 SEED_SPREAD = 0x9E3779B9  # 2^32 / golden ratio: rank offsets far apart from any seed Keras draws nearby
 
 
@@ -66,15 +68,4 @@ class InitialState(keras.callbacks.Callback):
 
 def add_initial_state(strategy, method: str, arguments: dict) -> dict:
     """Stage "callbacks": append an ``InitialState`` unless the call's callbacks hold one already."""
-    callbacks = arguments.get("callbacks")
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        if not any(isinstance(c, InitialState) for c in callbacks.callbacks):
-            mine = InitialState(strategy)
-            mine.set_model(arguments["self"])
-            mine.set_params(callbacks.params)
-            callbacks.callbacks.append(mine)
-        return arguments
-    listed = keras.tree.flatten(callbacks) if callbacks else []
-    if not any(isinstance(c, InitialState) for c in listed):
-        listed.append(InitialState(strategy))
-    return {**arguments, "callbacks": listed}
+    return fit_hook.add_callback(arguments, InitialState, strategy)

@@ -22,6 +22,7 @@ import time
 import keras
 
 from torus import timeline
+from torus.integrations.keras import fit_hook
 
 LANES = ("step", "start", "wait", "comm")
 
@@ -55,18 +56,9 @@ class StepTimeline(keras.callbacks.Callback):
 
 def add_step_timeline(strategy, method: str, arguments: dict) -> dict:
     """Stage "callbacks": append a ``StepTimeline`` to ``fit`` where the strategy records a timeline."""
-    tl = strategy.timeline
-    if tl is None or method != "fit":
+    if strategy.timeline is None or method != "fit":
         return arguments
-    callbacks = arguments.get("callbacks")
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        mine = StepTimeline(tl)
-        mine.set_model(arguments["self"])
-        mine.set_params(callbacks.params)
-        callbacks.callbacks.append(mine)
-        return arguments
-    listed = keras.tree.flatten(callbacks) if callbacks else []
-    return {**arguments, "callbacks": [*listed, StepTimeline(tl)]}
+    return fit_hook.add_callback(arguments, StepTimeline, strategy.timeline)
 
 
 def breakdown(trace: dict) -> dict:

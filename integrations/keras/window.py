@@ -31,6 +31,20 @@ MAX_LAYOUTS = 8  # shared buffers kept (a model's gradients, its metric states, 
 POOL = 2  # output buffers kept per layout
 
 
+def pack(pieces, buf: np.ndarray, narrow: bool) -> None:
+    """Copy the numpy arrays ``pieces`` (one dtype, any shapes) one after another into the first elements of
+    the flat ``buf``, cast with ``kernels.narrow`` (float32 to buf's float16/bfloat16) where ``narrow``; one
+    pass, no temporary. ``buf`` must hold at least their total size."""
+    offset = 0
+    for p in pieces:
+        part = buf[offset:offset + p.size]
+        if narrow:
+            kernels.narrow(p.reshape(-1), part)
+        else:
+            np.copyto(part, p.reshape(-1))
+        offset += p.size
+
+
 def _unused(entry) -> bool:
     """Nothing outside the pool refers to an output buffer: its views only by the pool's list (and here), its
     base only by the pool's tuple and the views (TensorFlow holds a returned view, or an array made from one,
@@ -121,14 +135,7 @@ class WindowBuffers:
         dtype = pieces[0].dtype
         on_wire = wire or dtype
         window = self._window(on_wire, sum(p.size for p in pieces))
-        offset = 0
-        for p in pieces:
-            part = window[offset:offset + p.size]
-            if wire is None:
-                np.copyto(part, p.reshape(-1))
-            else:
-                kernels.narrow(p.reshape(-1), part)
-            offset += p.size
+        pack(pieces, window, wire is not None)
         self.torus_comm.allreduce(IN_PLACE, window, op=op, algorithm=algorithm)
         out, offset = self._output(dtype, pieces), 0
         for view in out:
