@@ -12,14 +12,13 @@ Budget: 9 jobs of 3 ranks, 2 to 6 s each, about 35 s in all.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from tests import jobs
 
 BOUND_S = 60
 
@@ -44,26 +43,13 @@ TORUS_ENDS_IT = {"sys.exit(0)", "sys.exit(1)", "stuck"}
 STATUS_MAY_BE_ZERO = {"os._exit(0)"}
 
 
-def _mpiexec() -> str:
-    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-
-
 def _job(mode: str, check: bool, python_args=(), algorithm: str = "ring", **env_vars) -> tuple[int, float, str]:
-    """Run the worker under ``mpiexec -n 3``; return (exit status, seconds, merged output). The job runs in
-    its own session so that a job that outlives the bound is killed whole (launcher, proxy and ranks)."""
-    cmd = [_mpiexec(), "-n", "3", sys.executable, *python_args, __file__, mode, "check" if check else "nocheck",
+    """Run the worker under ``mpiexec -n 3``; return (exit status, seconds, merged output), killed whole past
+    the bound (tests/jobs.py)."""
+    cmd = [jobs.mpiexec(), "-n", "3", sys.executable, *python_args, __file__, mode, "check" if check else "nocheck",
            algorithm]
     env = {**os.environ, "TORUS_TIMEOUT": "3", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env_vars}
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=BOUND_S + 30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"mpiexec with rank 2 leaving by {mode} still ran after {BOUND_S + 30} s:\n{out[-3000:]}")
-    return proc.returncode, time.monotonic() - t0, out
+    return jobs.run(cmd, env, BOUND_S + 30, f"mpiexec with rank 2 leaving by {mode}")
 
 
 @pytest.mark.parametrize("mode, check", [(m, True) for m in LEAVE] + [("sys.exit(1)", False)])

@@ -15,38 +15,21 @@ The 90 s bound is generous (TensorFlow takes about 10 s to start here): a correc
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
+
+from tests import jobs
 
 pytest.importorskip("tensorflow")
 BOUND_S = 90
 
 
-def _mpiexec() -> str:
-    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-
-
 def _job(ranks: int, mode: str) -> tuple[int, float, str]:
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, __file__, mode]
+    cmd = [jobs.mpiexec(), "-n", str(ranks), sys.executable, __file__, mode]
     env = dict(os.environ, TORUS_TIMEOUT="3", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                TF_CPP_MIN_LOG_LEVEL="3")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=BOUND_S + 30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{ranks} ranks, last one leaving by {mode}: still running after {BOUND_S + 30} s:\n"
-                    f"{out[-3000:]}")
-    return proc.returncode, time.monotonic() - t0, out
+    return jobs.run(cmd, env, BOUND_S + 30, f"{ranks} ranks, last one leaving by {mode}:")
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
