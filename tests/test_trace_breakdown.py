@@ -1,12 +1,14 @@
-"""``trace.breakdown``: a step's parts, from a synthetic merged trace whose answer is known in closed form."""
+"""``breakdown``: a step's parts, from a synthetic merged trace whose answer is known in closed form."""
+import subprocess
+import sys
+
 import pytest
 
-pytest.importorskip("keras")
-from torus.integrations.keras.trace import breakdown  # noqa: E402
+from torus.integrations.keras.breakdown import breakdown
 
 
-def span(name, pid, ts, dur):
-    return {"name": name, "ph": "X", "pid": pid, "tid": 1, "ts": ts * 1e6, "dur": dur * 1e6}
+def span(name, pid, ts, dur, **args):
+    return {"name": name, "ph": "X", "pid": pid, "tid": 1, "ts": ts * 1e6, "dur": dur * 1e6, "args": args}
 
 
 def step(pid, t0, last_start, waits, metric, length):
@@ -39,3 +41,27 @@ def test_overlap_off_counts_the_fused_allreduce_as_exposed():
     r = breakdown({"traceEvents": events})[0]
     assert r["backprop"] == pytest.approx(0.45) and r["exposed"] == pytest.approx(0.7)
     assert r["hidden"] == pytest.approx(0.0) and r["other"] == pytest.approx(1.2 - 0.45 - 0.7)
+
+
+def test_each_fit_drops_its_first_step_and_one_fit_can_be_chosen():
+    events = []
+    for fit, (length, fused) in enumerate([(1.0, 0.3), (2.0, 0.9)]):
+        for k in range(3):  # each fit's first step is 10x longer (a retrace) and left out
+            t0 = 100.0 * fit + 5.0 * k
+            events += [span("train step", 0, t0, length * (10 if k == 0 else 1), fit=fit),
+                       span("allreduce", 0, t0 + 0.1, fused)]
+    assert breakdown({"traceEvents": events})[0]["steps"] == 4
+    assert breakdown({"traceEvents": events}, fit=1)[0]["step"] == pytest.approx(2.0)
+    assert breakdown({"traceEvents": events}, fit=0)[0]["exposed"] == pytest.approx(0.3)
+    assert breakdown({"traceEvents": events}, fit=2) == {}
+
+
+def test_the_tool_runs_without_tensorflow(tmp_path):
+    import json
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [span("train step", 0, 5.0 * k, 1.0) for k in range(3)]}))
+    code = ("import sys; from torus.integrations.keras import breakdown; rc = breakdown.main([sys.argv[1]]); "
+            "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules; raise SystemExit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].split()[:3] == ["0", "2", "1.000"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import sys
 import time
@@ -176,6 +177,22 @@ def _say(line: str) -> None:
         pass
 
 
+# A Python error raised inside a TensorFlow op (tf.numpy_function) reaches the caller as an OpError whose message
+# holds the original's traceback; its last line names the original error.
+_WRAPPED = re.compile(r"^(?:torus\.errors\.)?(\w+(?:Error|Exception)): (.+)$", re.MULTILINE)
+
+
+def reason(exc_type, exc) -> tuple[str, str]:
+    """The name and message of an uncaught exception for the one-line report: for a TensorFlow ``OpError``
+    that wraps a Python error of an op, that error's (``MismatchError (in a TensorFlow op:
+    InvalidArgumentError)``, its message line) instead of TensorFlow's graph execution text."""
+    if exc_type.__module__.startswith("tensorflow"):
+        found = _WRAPPED.search(str(exc))
+        if found:
+            return f"{found.group(1)} (in a TensorFlow op: {exc_type.__name__})", found.group(2)
+    return exc_type.__name__, str(exc)
+
+
 def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
     """Make an uncaught exception on this rank print its traceback and call ``comm.Abort(status)``.
 
@@ -192,7 +209,8 @@ def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
         # The reason goes out first, in one write: another rank's Abort may kill this process (and hydra may
         # drop its unforwarded output) at any moment after this, so the traceback is best effort.
         sys.stdout.flush()
-        sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught {exc_type.__name__}; aborting the MPI job: {exc}\n")
+        name, message = reason(exc_type, exc)
+        sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught {name}; aborting the MPI job: {message}\n")
         sys.stderr.flush()
         previous(exc_type, exc, tb)
         sys.stderr.flush()

@@ -94,6 +94,7 @@ class Timeline:
         self._dropped = 0
         self._lock = threading.Lock()
         self._closed = False
+        self.saves = 0  # save() calls so far: a caller that saves once per phase can number its phases
         origin = self.clock()
         self._samples = [self._offset_sample()]
         # rank 0's construction time on its own clock (ts 0) and a name for this run, on every rank, so that
@@ -134,6 +135,7 @@ class Timeline:
             if self._closed:
                 return
             events = list(self._events)
+        self.saves += 1
         self._samples.append(self._offset_sample())
         payloads = self._comm.gather(self._payload(events), root=0)
         if self.rank == 0:

@@ -1,0 +1,89 @@
+"""Where the train steps of a ``TORUS_TIMELINE`` trace went (trace.py's lanes), per rank, without TensorFlow:
+
+    python -m torus.integrations.keras.breakdown trace.json
+"""
+from __future__ import annotations
+
+
+def breakdown(trace: dict, fit: int | None = None) -> dict:
+    """Per rank, the median over its train steps (all but each fit's first, which may trace; only those of fit
+    number ``fit`` where given: the step spans' ``fit`` arg) of where a step went, in seconds, from a merged
+    trace (``torus.timeline`` format, trace.py's lanes):
+
+    - ``backprop``: the step's start to its last bucket start (forward, backward and the bucket copies: the
+      compute before the last gradient exists);
+    - ``exposed``: the bucket waits after that (communication the step did not hide);
+    - ``metric``: the metric all-reduces in the step;
+    - ``other``: the rest (the optimizer update, input, Keras and callbacks), so the four add up to ``step``;
+    - ``comm``: the buckets' time on the communication thread, and ``hidden`` = 1 - exposed / comm (at least 0: a
+      wait also costs its own call, which can exceed a tiny bucket's all-reduce).
+
+    Steps without buckets (overlap off) count the fused all-reduce as ``exposed`` and ``backprop`` as the
+    time before it. Returns ``{rank: {name: seconds}}``."""
+    import numpy as np
+
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    out = {}
+    for rank in sorted({e["pid"] for e in spans}):
+        mine = sorted((e for e in spans if e["pid"] == rank), key=lambda e: e["ts"])
+        rows = []
+        steps, seen = [], set()
+        for e in mine:
+            number = (e.get("args") or {}).get("fit", 0)
+            if e["name"] == "train step" and (fit is None or number == fit):
+                if number in seen:
+                    steps.append(e)
+                seen.add(number)
+        for step in steps:
+            t0, t1 = step["ts"], step["ts"] + step["dur"]
+            inside = [e for e in mine if t0 <= e["ts"] < t1 and e is not step]
+            starts = [e for e in inside if e["name"].endswith(" start") and "bucket" in e["name"]]
+            waits = [e for e in inside if e["name"].endswith(" wait") and "bucket" in e["name"]]
+            fused = [e for e in inside if e["name"] == "allreduce"]
+            metric = sum(e["dur"] for e in inside if e["name"] == "metric allreduce")
+            comm = sum(e["dur"] for e in inside if e["name"].endswith(" allreduce") and "bucket" in e["name"])
+            if starts:
+                backprop = max(e["ts"] + e["dur"] for e in starts) - t0
+                exposed = sum(max(0.0, e["ts"] + e["dur"] - max(e["ts"], t0 + backprop)) for e in waits)
+            else:
+                backprop = (fused[0]["ts"] - t0) if fused else step["dur"]
+                exposed = comm = sum(e["dur"] for e in fused)
+            rows.append((step["dur"], backprop, exposed, metric, comm))
+        if not rows:
+            continue
+        step_s, backprop, exposed, metric, comm = (float(np.median(c)) / 1e6 for c in zip(*rows))
+        out[rank] = {"steps": len(rows), "step": step_s, "backprop": backprop, "exposed": exposed,
+                     "metric": metric, "other": step_s - backprop - exposed - metric, "comm": comm,
+                     "hidden": max(0.0, 1 - exposed / comm) if comm > 0 else None}
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m torus.integrations.keras.breakdown FILE``: the step breakdown of a TORUS_TIMELINE trace."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m torus.integrations.keras.breakdown",
+                                description="Where the train steps of a TORUS_TIMELINE trace went, per rank.")
+    p.add_argument("trace", metavar="FILE")
+    p.add_argument("--fit", type=int, help="only the steps of this fit (0: the script's first fit)")
+    args = p.parse_args(argv)
+    with open(args.trace) as f:
+        rows = breakdown(json.load(f), args.fit)
+    if not rows:
+        which = "" if args.fit is None else f" of fit {args.fit}"
+        print(f"{args.trace}: no 'train step' spans{which} (fit records them; a custom loop adds its own with "
+              "strategy.timeline.span('train step', 'step', t0, t1))", file=sys.stderr)
+        return 1
+    print("medians over each rank's train steps after each fit's first (which may trace)")
+    print("rank  steps   step_s  backprop  exposed   metric    other     comm  hidden")
+    for rank, r in rows.items():
+        hidden = "" if r["hidden"] is None else f"{r['hidden']:6.0%}"
+        print(f"{rank:4d} {r['steps']:6d} {r['step']:8.3f} {r['backprop']:9.3f} {r['exposed']:8.3f} "
+              f"{r['metric']:8.3f} {r['other']:8.3f} {r['comm']:8.3f}  {hidden}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
