@@ -147,8 +147,8 @@ def test_profile_round_trip_and_scaling(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(p.as_dict()))
     assert profile.load(str(path)) == p
-    q = p.scaled(0.135)
-    assert q.compute == pytest.approx(0.135)
+    q = p.scaled(0.2)
+    assert q.compute == pytest.approx(0.2)
     assert q.buckets[1].ready / q.buckets[3].ready == pytest.approx(p.buckets[1].ready / p.buckets[3].ready)
     assert [b.nbytes for b in q.buckets] == [b.nbytes for b in p.buckets]
 

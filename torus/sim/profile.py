@@ -5,8 +5,8 @@ The JSON format (``torus-step-profile/1``), times in seconds from the step's sta
 
     {"format": "torus-step-profile/1",
      "source": "free text: where the figures came from",
-     "buckets": [{"ready_s": 0.178, "nbytes": 4300840, "dtype": "float32", "algorithm": "ring"}, ...],
-     "apply_s": 0.007,
+     "buckets": [{"ready_s": 0.25, "nbytes": 4194304, "dtype": "float32", "algorithm": "ring"}, ...],
+     "apply_s": 0.01,
      "metric": {"nbytes": 8, "dtype": "float32"}}
 
 - ``buckets``, in the order the communication thread runs them (torus.integrations.keras.buckets: reverse
