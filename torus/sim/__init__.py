@@ -23,6 +23,9 @@ deadlines against the real compiled plans of sampled ranks; tests/test_sim_repla
 that the replay sees what the executor's step interpreter does on the same plans; tests/test_sim.py checks
 that orbit and full replay agree on every number at 24 and 64 ranks and that both match the closed forms
 (closed_form.py) in the symmetric cases.
+
+A training step with the gradient all-reduce behind backprop (``torus-sim --step``): step.py runs the
+communication thread's FIFO schedule over a step profile (profile.py) with each bucket priced by ``simulate``.
 """
 from torus.sim.model import Cost, Layout, SimulationError
 from torus.sim.simulate import Result, simulate

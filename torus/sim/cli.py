@@ -4,6 +4,8 @@
               --ranks-per-node 4 --inter-alpha 5e-6 --inter-beta 4e-10
     torus-sim --sweep -b 1K -e 1G -f 4 --ranks 64,1088,2176 --json sim.json --plot sim.png
     torus-sim --paper
+    torus-sim --step bench/results/overlap_timeline_2x1_1gbit.json --ranks 2 --params fit.json   # a training step
+    torus-sim --step profile.json --paper --compute-step 0.1 --algo torus2d --alpha 1e-6 ...    # at the paper's grids
     torus-sim --algo shm,ring --ranks 4 --ranks-per-node 4 --nbytes 64M --copy-beta 1e-10 --flag-alpha 5e-7
     torus-sim --algo shm --alloc --ranks 4 --ranks-per-node 4 --nbytes 64M --window-beta 2e-10 --flag-alpha 5e-7
     mpiexec -n 4 torus-sim --fit --json fit4.json           # measure α, β, γ on this machine, at 4 ranks
@@ -73,6 +75,20 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--fit", action="store_true", help="measure alpha, beta, gamma on this machine (under "
                       "mpiexec -n K, the rank count you will --validate or predict)")
     mode.add_argument("--validate", action="store_true", help="measured against predicted times (under mpiexec)")
+    ap.add_argument("--step", default=None, metavar="FILE",
+                    help="a training step with the gradient all-reduce behind backprop (sim/step.py): FILE is a step "
+                         "profile (sim/profile.py) or a TORUS_TIMELINE trace; per --algo (default: the profile's) "
+                         "and --ranks (or, with --paper, the paper's grids) the step with and without overlap")
+    ap.add_argument("--compute-step", type=float, default=None, metavar="SECONDS",
+                    help="--step: scale the profile's times so that its compute alone takes SECONDS")
+    ap.add_argument("--allreduce-seconds", type=float, default=None, metavar="SECONDS",
+                    help="--step: scale every predicted all-reduce so that the fused one of the profile's bytes "
+                         "takes SECONDS at each layout (a measured all-reduce alone, to check a measured run)")
+    ap.add_argument("--slowdown", type=float, default=1.0, metavar="F",
+                    help="--step: an all-reduce runs F times slower while backprop still computes (default 1: "
+                         "no contention)")
+    ap.add_argument("--save-profile", default=None, metavar="FILE",
+                    help="--step: write the profile used (after --compute-step) as JSON")
     ap.add_argument("--ranks", type=_list(int), default="16", metavar="N[,N...]", help="rank counts")
     ap.add_argument("--dims", type=_dims, default=None, metavar="XxY",
                     help="grid, X*Y = --ranks (default: as square as possible)")
@@ -82,9 +98,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-e", "--maxbytes", type=_size, default="1G", metavar="SIZE", help="--sweep: largest size")
     ap.add_argument("-f", "--stepfactor", type=int, default=4, metavar="F", help="--sweep: size factor per step")
     ap.add_argument("--dtype", choices=tuple(ITEMSIZE), default="float32", help="element type")
-    ap.add_argument("--algo", type=_list(str, ALGORITHMS), default=",".join(SCHEDULES), metavar="LIST",
+    ap.add_argument("--algo", type=_list(str, ALGORITHMS), default=None, metavar="LIST",
                     help=f"comma-separated, from {', '.join(ALGORITHMS)} (default: {', '.join(SCHEDULES)}; "
-                         "shm: the shared-memory transport, every rank on one node: --ranks-per-node = --ranks)")
+                         "with --step the profile's own; shm: the shared-memory transport, every rank on one "
+                         "node: --ranks-per-node = --ranks)")
     ap.add_argument("--collective", type=_list(str, COLLECTIVES), default="allreduce", metavar="LIST",
                     help=f"comma-separated, from {', '.join(COLLECTIVES)}")
     ap.add_argument("--alpha", type=float, default=1e-6, help="seconds per message within a node")
@@ -125,10 +142,24 @@ def parser() -> argparse.ArgumentParser:
 
 def _check(ap, args) -> None:
     """Argument errors that argparse cannot see, before any replay (exit status 2, one line)."""
-    for flag in ("json", "plot"):
-        problem = cli.writable_file(f"--{flag}", getattr(args, flag))
+    for flag in ("json", "plot", "save_profile"):
+        problem = cli.writable_file("--" + flag.replace("_", "-"), getattr(args, flag))
         if problem:
             ap.error(problem)
+    if args.step is not None:
+        if args.sweep or args.fit or args.validate or args.alloc:
+            ap.error("--step prices a training step: not with --sweep, --fit, --validate or --alloc")
+        if not os.path.isfile(args.step):
+            ap.error(f"--step {args.step}: no such file")
+        for flag in ("compute_step", "allreduce_seconds"):
+            value = getattr(args, flag)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                ap.error(f"--{flag.replace('_', '-')} {value}: expected seconds > 0")
+        if not (math.isfinite(args.slowdown) and args.slowdown >= 1):
+            ap.error(f"--slowdown {args.slowdown}: expected a factor >= 1")
+    elif args.compute_step is not None or args.allreduce_seconds is not None or args.save_profile or \
+            args.slowdown != 1.0:
+        ap.error("--compute-step, --allreduce-seconds, --slowdown and --save-profile go with --step")
     if args.params and not os.path.isfile(args.params):
         ap.error(f"--params {args.params}: no such file")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -207,11 +238,64 @@ def plot(results, path: str, cost: Cost) -> None:
     plt.close(fig)
 
 
+def _step(args, cost: Cost, out: dict) -> int:
+    """``--step``: the step model (sim/step.py) per layout and algorithm; prints a table, fills ``out``."""
+    from torus.sim import paper, profile, step
+    try:
+        prof = profile.load(args.step)
+        if args.compute_step is not None:
+            prof = prof.scaled(args.compute_step)
+        if args.paper:
+            layouts = [Layout(x, y, paper.RANKS_PER_NODE) for x, y in paper.GRIDS]
+        else:
+            layouts = []
+            for n in args.ranks:
+                dims = args.dims or default_dims(n)
+                layouts.append(Layout(dims[0], dims[1], args.ranks_per_node))
+        print(f"# torus-sim --step: {len(prof.buckets)} buckets, {sum(b.nbytes for b in prof.buckets) / 1e6:.1f} MB "
+              f"({', '.join(f'{b.nbytes / 1e6:.1f}' for b in prof.buckets)}); compute alone {prof.compute:.4f} s "
+              f"(backprop {prof.backprop:.4f} s + apply {prof.apply:.4f} s); {prof.source}")
+        levels = ("alpha", "beta", "gamma", "inter_alpha", "inter_beta")
+        print(f"# cost: {', '.join(f'{k} {getattr(cost, k):g}' for k in levels if getattr(cost, k) is not None)}"
+              + (f"; all-reduces scaled to a fused one of {args.allreduce_seconds:g} s" if args.allreduce_seconds
+                 else "") + (f"; slowdown {args.slowdown:g} during backprop" if args.slowdown != 1 else ""))
+        print("# on = max(backprop, last bucket reduced) + apply + metric (one FIFO thread); off = backprop + fused "
+              "all-reduce + apply + metric; exposed = step - compute alone; eff = compute alone / step")
+        print(f"{'algorithm':>12} {'ranks':>6} {'grid':>8} {'nodes':>6} {'comm s':>8} {'on s':>8} {'off s':>8} "
+              f"{'exposed':>8} {'overlap':>8} {'eff on':>7} {'eff off':>7}")
+        rows = []
+        for layout in layouts:
+            price = step.sim_price(layout, cost, args.method)
+            for algo in args.algo or [None]:
+                p = step.calibrated(price, prof, algo, args.allreduce_seconds) if args.allreduce_seconds else price
+                r = step.model(prof, p, algo, args.slowdown)
+                rows.append({"ranks": layout.N, "grid": f"{layout.X}x{layout.Y}", "nodes": layout.nodes,
+                             **r.as_dict()})
+                print(f"{r.algorithm:>12} {layout.N:>6} {f'{layout.X}x{layout.Y}':>8} "
+                      f"{layout.nodes:>6} {r.comm:>8.4f} {r.step:>8.4f} {r.off:>8.4f} {r.exposed:>8.4f} "
+                      f"{r.overlap:>8.1%} {r.compute / r.step:>7.1%} {r.compute / r.off:>7.1%}", flush=True)
+    except (ValueError, SimulationError) as e:
+        print(f"torus-sim --step: {e}", file=sys.stderr)
+        return 2
+    if len(rows) == 1:
+        print("# bucket: ready -> all-reduce start-finish, s: " + "; ".join(
+            f"{k}: {b.ready:.4f} -> {s:.4f}-{f:.4f}"
+            for k, (b, s, f) in enumerate(zip(prof.buckets, rows[0]["starts"], rows[0]["finishes"]))))
+    out["profile"] = prof.as_dict()
+    out["step"] = rows
+    if args.save_profile:
+        with open(args.save_profile, "w") as f:
+            json.dump(prof.as_dict(), f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = parser()
     try:
         args = ap.parse_args(argv)
+        if args.algo is None and args.step is None:
+            args.algo = list(SCHEDULES)
         _check(ap, args)
     except SystemExit as e:  # a usage error (one line, from rank 0) or --help
         return e.code if isinstance(e.code, int) else 2
@@ -220,7 +304,11 @@ def main(argv=None) -> int:
         return fit.main(args, cost_from(args, argv))
     cost = cost_from(args, argv)
     out: dict[str, object] = {"command": "torus-sim " + " ".join(argv), "cost": cost.__dict__}
-    if args.paper:
+    if args.step is not None:
+        code = _step(args, cost, out)
+        if code:
+            return code
+    elif args.paper:
         from torus.sim import paper
         rows = paper.rows(cost=cost, dtype=args.dtype)
         print("\n".join(paper.header(cost)))
