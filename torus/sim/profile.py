@@ -129,11 +129,11 @@ def load(path: str) -> Profile:
 
 
 def _rank_steps(spans: list[dict], rank: int) -> list[dict]:
-    """Per train step of ``rank`` that ran buckets (overlap on), after its first (which traces): ``ready``
+    """Per train step of ``rank`` that ran buckets (overlap on), after each fit's first (which traces): ``ready``
     {bucket: s}, ``nbytes`` {bucket: bytes}, ``dtype``, ``algorithm``, ``reduced`` (s, the last bucket's
     all-reduce end), ``end`` (s), ``metric`` (s), ``metric_nbytes``; times from the step's start."""
     mine = sorted((e for e in spans if e["pid"] == rank), key=lambda e: e["ts"])
-    rows = []
+    rows, fits = [], set()
     for step in (e for e in mine if e["name"] == "train step"):
         t0, t1 = step["ts"], step["ts"] + step["dur"]
         inside = [e for e in mine if t0 <= e["ts"] < t1 and e is not step]
@@ -155,9 +155,13 @@ def _rank_steps(spans: list[dict], rank: int) -> list[dict]:
                 row["nbytes"][k], row["dtype"][k] = int(args["nbytes"]), str(args["wire"])
                 row["algorithm"][k] = args.get("algorithm")
                 row["reduced"] = max(row["reduced"], (e["ts"] + e["dur"] - t0) / 1e6)
-        if row["ready"]:
+        if not row["ready"]:
+            continue
+        fit = (step.get("args") or {}).get("fit", 0)  # trace.py numbers the fits: each one's first step traces
+        if fit in fits:
             rows.append(row)
-    return rows[1:]
+        fits.add(fit)
+    return rows
 
 
 def from_trace(trace: dict, source: str = "") -> Profile:
