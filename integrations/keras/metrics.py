@@ -11,8 +11,19 @@ variables are: "sum" (every built-in metric: totals, counts, confusion matrices)
 recall, IoU, R2 come out as one process on the global data would compute them (up to float summation order),
 and bitwise equal on every rank, so callbacks decide alike.
 
-Collective: under a ``TorusStrategy`` every call of ``model.get_metrics_result()`` (in a step or eagerly) is
-one all-reduce that every rank must make; ranks must therefore run the same number of steps.
+A model that overrides ``train_step`` or ``test_step`` (the keras.io guide's ``return {m.name: m.result() for m
+in self.metrics}``) gets the same: ``install()`` also wraps ``make_train_function`` / ``make_test_function``, which
+give such a model a per-instance step that calls the user's and then makes its logs global (``global_logs``):
+an entry named after one of ``model.metrics`` is replaced by that metric's result from the global states (exact,
+as above); any other floating entry is averaged over ranks (what Keras' ``reduce_per_replica(..., "auto")``
+does under ``MirroredStrategy``); other entries are left as they are. A loss the step computed with
+``compute_loss`` and tracked itself is, as under every ``tf.distribute`` strategy, the rank's loss scaled by
+``1 / num_replicas_in_sync`` (Keras' built-in step unscales it before tracking); its global value is then the
+global loss over the number of ranks.
+
+Collective: under a ``TorusStrategy`` every call of ``model.get_metrics_result()`` (in a step or eagerly) and
+every custom step is one all-reduce that every rank must make; ranks must therefore run the same number of
+steps.
 """
 from __future__ import annotations
 
@@ -59,11 +70,60 @@ def global_results(original, model, strategy) -> dict:
     return results
 
 
+def global_logs(model, strategy, logs):
+    """A custom step's ``logs`` made global (module docstring); the same structure."""
+    if not isinstance(logs, dict):
+        return logs
+    names = {m.name for m in model.metrics}
+    logs = dict(logs)
+    if names & set(logs):
+        results = global_results(lambda m: {x.name: x.result() for x in m.metrics}, model, strategy)
+        logs.update({k: results[k] for k in logs if k in names})
+    others = [k for k, v in logs.items() if k not in names and tf.is_tensor(v) and v.dtype.is_floating]
+    if others:
+        averaged = allreduce_tensors(strategy.metrics_host, [logs[k] for k in others], "avg")
+        logs.update(zip(others, averaged))
+    return logs
+
+
+def _global_step(model, strategy, name: str) -> None:
+    """Give ``model`` a per-instance ``name`` (``train_step`` / ``test_step``) whose logs are global, where its
+    class overrides Keras' own; once per model."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    if getattr(type(model), name) is getattr(TensorFlowTrainer, name) or name in vars(model):
+        return
+    user_step = getattr(model, name)
+
+    @functools.wraps(user_step)
+    def step(data):
+        return global_logs(model, strategy, user_step(data))
+
+    object.__setattr__(model, name, step)  # past Keras' attribute tracking: a method, not state
+
+
 def install() -> None:
-    """Wrap ``keras.src.trainers.trainer.Trainer.get_metrics_result`` once per process."""
+    """Wrap ``keras.src.trainers.trainer.Trainer.get_metrics_result`` and ``TensorFlowTrainer``'s
+    ``make_train_function`` / ``make_test_function`` once per process."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.trainers.trainer import Trainer
 
     from torus.integrations.keras.strategy import TorusStrategy
+
+    for maker, step_name in (("make_train_function", "train_step"), ("make_test_function", "test_step")):
+        make = getattr(TensorFlowTrainer, maker)
+        if hasattr(make, "_torus_original"):
+            continue
+
+        def wrapped(self, *args, _make=make, _step=step_name, **kwargs):
+            strategy = getattr(self, "_distribute_strategy", None)
+            if isinstance(strategy, TorusStrategy):
+                _global_step(self, strategy, _step)
+            return _make(self, *args, **kwargs)
+
+        functools.update_wrapper(wrapped, make)
+        wrapped._torus_original = make  # type: ignore[attr-defined]
+        setattr(TensorFlowTrainer, maker, wrapped)
 
     current = Trainer.get_metrics_result
     if hasattr(current, "_torus_original"):
