@@ -20,7 +20,7 @@ import functools
 
 import tensorflow as tf
 
-from torus.integrations.keras.loop import allreduce_tensors
+from torus.integrations.keras.sparse import reduce_gradients
 
 
 def reduce_first(optimizer, strategy) -> bool:
@@ -39,7 +39,7 @@ def reduce_first(optimizer, strategy) -> bool:
             return original(grads, trainable_variables)
         grads = list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
-        for i, g in zip(present, allreduce_tensors(strategy.host, [grads[i] for i in present], "sum")):
+        for i, g in zip(present, reduce_gradients(strategy.host, [grads[i] for i in present], "sum")):
             grads[i] = g
         with extended.gradients_reduced():
             return original(grads, trainable_variables)

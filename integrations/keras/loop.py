@@ -130,6 +130,7 @@ class HostAllreduce:
         self.buckets = Buckets(self)
         self.timeline = timeline
         self.name = "allreduce"
+        self.sparse_as_dense = False  # sparse.reduce_gradients: densify tf.IndexedSlices instead of gathering
 
     def comm_seconds(self) -> tuple[float, float]:
         """(communication, exposed) seconds so far: every all-reduce of this host, and the part the caller

@@ -24,7 +24,8 @@ from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm, faults
 from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet, trace  # noqa: F401 (files, quiet register their stages)
-from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors, broadcast_variables
+from torus.integrations.keras.loop import HostAllreduce, broadcast_variables
+from torus.integrations.keras.sparse import reduce_gradients
 from torus.select import ALGORITHMS
 
 
@@ -64,7 +65,7 @@ class _TorusExtended(one_device_strategy.OneDeviceExtended):
         if self._passing:
             return values
         op = "avg" if reduce_op == tf.distribute.ReduceOp.MEAN else "sum"
-        return allreduce_tensors(self._host, values, op)
+        return reduce_gradients(self._host, values, op)  # IndexedSlices stay sparse (sparse.py)
 
     def _experimental_distribute_dataset(self, dataset, options):
         # Keras hands every kind of input here as a tf.data dataset of global batches (or per-rank ones).
@@ -94,7 +95,8 @@ class TorusStrategy(tf.distribute.Strategy):
     Each rank feeds its own shard with its per-rank batch (global batch = N x per-rank batch). Gradients are
     fused into one buffer per dtype and all-reduced with ``TorusComm.allreduce`` (``algorithm``; where that is
     the shared-memory transport, into a persistent shared buffer reduced in place, ``window.py``), optionally
-    sent as float16/bfloat16 (``compression``); sparse gradients are densified (see ``allreduce_tensors``).
+    sent as float16/bfloat16 (``compression``); sparse gradients (``tf.IndexedSlices``) are all-gathered as
+    IndexedSlices (``sparse.py``; ``sparse_as_dense=True`` densifies them into the fused buffer instead).
 
     Inside ``fit`` / ``evaluate`` / ``predict`` (wrapped once per process, see ``fit_hook``), whatever callbacks
     are passed and in any order:
@@ -148,6 +150,11 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
         nodes. The results equal overlap off up to float summation order, and are bitwise equal across ranks.
     bucket_bytes : int, optional
         The bucket cap in bytes (default ``TORUS_BUCKET_BYTES``, else 25 MiB; the first bucket at most 1 MiB).
+    sparse_as_dense : bool
+        False (default, Horovod's): a sparse gradient's rows and indices are all-gathered, so the optimizer gets
+        the IndexedSlices one process computes on the global batch (exact for optimizers that update sparse
+        gradients row by row, e.g. Adam); True: made dense and summed with the others (the whole variable on
+        the wire; within float rounding of one process only where the optimizer treats both alike).
 
     Where ``TORUS_TIMELINE=FILE`` is set, ``strategy.timeline`` records a Chrome trace of every rank's steps,
     buckets and all-reduces, written at the end of each ``fit`` (``trace.py``; a custom loop calls
@@ -159,14 +166,17 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
 
     def __init__(self, dims=None, algorithm: str = "auto", compression: str = "none", comm=None,
                  device: str = "/cpu:0", abort_on_exception: bool = True, overlap: bool | None = None,
-                 bucket_bytes: int | None = None):
+                 bucket_bytes: int | None = None, sparse_as_dense: bool = False):
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"TorusStrategy: unknown algorithm {algorithm!r}; expected auto or one of "
                              f"{', '.join(ALGORITHMS)}")
         torus_comm = comm if isinstance(comm, TorusComm) else TorusComm(comm, dims)
         if abort_on_exception:
             faults.abort_on_exception(torus_comm.comm)
+        if not isinstance(sparse_as_dense, bool):
+            raise TypeError(f"TorusStrategy: sparse_as_dense must be True or False, not {sparse_as_dense!r}")
         self.host = HostAllreduce(torus_comm, algorithm, compression, overlap=overlap, bucket_bytes=bucket_bytes)
+        self.host.sparse_as_dense = sparse_as_dense
         self.metrics_host = HostAllreduce(torus_comm, "auto", "none", overlap=False)
         self.metrics_host.name = "metric allreduce"
         self.timeline = self.host.timeline = self.metrics_host.timeline = trace.make(torus_comm)
@@ -201,9 +211,10 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
         return inputs.per_rank(dataset.shard(self.size, self.rank))
 
     def allreduce_gradients(self, grads, op: str = "avg"):
-        """Fused all-reduce of a gradient list for custom loops (mean over ranks by default); see
-        ``loop.allreduce_tensors``."""
-        return allreduce_tensors(self.host, list(grads), op)
+        """All-reduce of a gradient list for custom loops (mean over ranks by default): dense ones as in
+        ``loop.allreduce_tensors``, ``tf.IndexedSlices`` all-gathered as IndexedSlices unless
+        ``sparse_as_dense`` (``sparse.reduce_gradients``)."""
+        return reduce_gradients(self.host, list(grads), op)
 
     def broadcast_variables(self, variables, root: int = 0) -> None:
         """Give every rank rank ``root``'s values (eager, collective, bounded by the stall timeout); see

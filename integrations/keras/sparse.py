@@ -1,0 +1,80 @@
+"""Sparse gradients (``tf.IndexedSlices``, e.g. ``Embedding``'s) all-gathered across ranks as IndexedSlices.
+
+An IndexedSlices stands for the sum of its rows scattered at its indices (repeated indices add up). Gathering
+every rank's rows and indices in rank order gives the IndexedSlices one process computes on the global batch
+(each rank's part of the batch is its contiguous 1/size of it): the same rows in the same order, so an optimizer
+that updates sparse gradients row by row (Keras' Adam, SGD with momentum) acts exactly as on one process, where a
+densified sum would not (Horovod's default, ``sparse_as_dense=False``). The wire carries the rows
+(``rows * row size`` per rank) instead of the whole variable, which pays while the batch touches few rows.
+
+``allgather_slices(host, slices, op)``: one ``tf.numpy_function`` for the list; on the host's communication
+thread (one collective at a time per ``TorusComm``, after any bucket queued before it) it all-gathers each
+rank's row counts, then each slice's indices (as int64) and rows with ``TorusComm.allgather`` (uneven counts).
+``op`` "sum" keeps the rows, "avg" divides them by the number of ranks. Uncompressed (``compression`` applies to
+dense gradients only). Collective: every rank passes the same number of slices with the same row shape and
+dtype, in the same order; the row counts may differ.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from torus.integrations.keras.loop import allreduce_tensors
+
+
+def reduce_gradients(host, grads: list, op: str = "sum") -> list:
+    """``grads`` (tensors and ``tf.IndexedSlices``; no None) over ranks, in the same order: the dense ones through
+    ``allreduce_tensors``, the IndexedSlices through ``allgather_slices`` (or densified with the dense ones where
+    ``host.sparse_as_dense``). The dense all-reduce is issued first (its buckets may be in flight)."""
+    sparse = [] if host.sparse_as_dense else [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+    dense = [i for i in range(len(grads)) if i not in set(sparse)]
+    out = list(grads)
+    for i, g in zip(dense, allreduce_tensors(host, [grads[i] for i in dense], op)):
+        out[i] = g
+    for i, g in zip(sparse, allgather_slices(host, [grads[i] for i in sparse], op)):
+        out[i] = g
+    return out
+
+
+def allgather_slices(host, slices: list, op: str = "sum") -> list:
+    """``slices`` (``tf.IndexedSlices``) gathered over ranks, in rank order; see the module docstring. Returns
+    ``tf.IndexedSlices`` with the same dense shapes, row shapes and dtypes (indices int64)."""
+    if not slices:
+        return []
+    if op not in ("sum", "avg"):
+        raise ValueError(f"allgather_slices on rank {host.torus_comm.rank}: op {op!r}; expected 'sum' or 'avg'")
+    inputs, tout = [], []
+    for s in slices:
+        inputs += [s.values, tf.cast(s.indices, tf.int64)]
+        tout += [s.values.dtype, tf.int64]
+    gathered = tf.numpy_function(lambda *arrays: host.progress.call(_gather, host.torus_comm, op, arrays), inputs,
+                                 tout, stateful=True, name="torus_allgather_slices")
+    out = []
+    for k, s in enumerate(slices):
+        values, indices = gathered[2 * k], gathered[2 * k + 1]
+        values.set_shape(tf.TensorShape([None]).concatenate(s.values.shape[1:]))
+        indices.set_shape([None])
+        out.append(tf.IndexedSlices(values, indices, s.dense_shape))
+    return out
+
+
+def _gather(torus_comm, op: str, arrays) -> list:
+    """On the communication thread: the row counts, then every slice's rows and indices, in rank order."""
+    size = torus_comm.size
+    pairs = [(np.ascontiguousarray(arrays[k]), np.ascontiguousarray(arrays[k + 1])) for k in range(0, len(arrays), 2)]
+    rows = np.array([len(indices) for _, indices in pairs], np.int64)
+    every = torus_comm.allgather(rows, np.empty(size * len(pairs), np.int64)).reshape(size, len(pairs))
+    out = []
+    for k, (values, indices) in enumerate(pairs):
+        counts = [int(n) for n in every[:, k]]
+        row = int(np.prod(values.shape[1:], dtype=np.int64))
+        total = sum(counts)
+        got_values = np.empty(total * row, values.dtype)
+        torus_comm.allgather(values.reshape(-1), got_values, recvcounts=[n * row for n in counts])
+        got_indices = np.empty(total, np.int64)
+        torus_comm.allgather(indices, got_indices, recvcounts=counts)
+        got_values = got_values.reshape((total, *values.shape[1:]))
+        if op == "avg":
+            got_values /= np.asarray(size, values.dtype)
+        out += [got_values, got_indices]
+    return out
