@@ -21,6 +21,14 @@ does under ``MirroredStrategy``); other entries are left as they are. A loss the
 ``1 / num_replicas_in_sync`` (Keras' built-in step unscales it before tracking); its global value is then the
 global loss over the number of ranks.
 
+A model with several outputs tracks each output's loss in ``CompileLoss``'s own ``Mean`` per output, which Keras
+updates with the batch's mean loss weighted by the batch's *static* row count (None inside the step function:
+weight 1), so one process reports the mean over batches of each batch's mean, the last partial batch counting
+as much as a full one. Under a ``TorusStrategy`` ``install()`` wraps ``CompileLoss.call`` so that each rank
+weights its part of a batch by its share of the batch's rows (one small all-reduce of the row count per step,
+only for models with per-output trackers): summed over ranks every global batch then counts once with its
+global mean, as on one process, also where the rows split unevenly over the ranks.
+
 Collective: under a ``TorusStrategy`` every call of ``model.get_metrics_result()`` (in a step or eagerly) and
 every custom step is one all-reduce that every rank must make; ranks must therefore run the same number of
 steps.
@@ -102,13 +110,48 @@ def _global_step(model, strategy, name: str) -> None:
     object.__setattr__(model, name, step)  # past Keras' attribute tracking: a method, not state
 
 
+def _share_weighted(call, strategy_type):
+    """``CompileLoss.call`` with its per-output loss trackers weighted by this rank's share of the batch."""
+
+    @functools.wraps(call)
+    def wrapped(self, y_true, y_pred, sample_weight=None):
+        strategy = tf.distribute.get_strategy()
+        trackers = [t for t in self.metrics if t is not None]
+        if not isinstance(strategy, strategy_type) or not trackers or tf.distribute.in_cross_replica_context():
+            return call(self, y_true, y_pred, sample_weight)
+        rows = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0], tf.float32)
+        share = rows / allreduce_tensors(strategy.metrics_host, [rows], "sum")[0]
+
+        def weighted(update):
+            def update_state(values, sample_weight=None):
+                values = tf.where(share > 0, values, tf.zeros_like(values))  # a rank without rows adds 0, not nan
+                return update(values, sample_weight=tf.cast(share, values.dtype))
+            return update_state
+
+        for t in trackers:
+            object.__setattr__(t, "update_state", weighted(t.update_state))
+        try:
+            return call(self, y_true, y_pred, sample_weight)
+        finally:
+            for t in trackers:
+                object.__delattr__(t, "update_state")
+
+    wrapped._torus_original = call  # type: ignore[attr-defined]
+    return wrapped
+
+
 def install() -> None:
-    """Wrap ``keras.src.trainers.trainer.Trainer.get_metrics_result`` and ``TensorFlowTrainer``'s
-    ``make_train_function`` / ``make_test_function`` once per process."""
+    """Wrap ``keras.src.trainers.trainer.Trainer.get_metrics_result``, ``TensorFlowTrainer``'s
+    ``make_train_function`` / ``make_test_function`` and ``keras.src.trainers.compile_utils.CompileLoss.call``
+    once per process."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.trainers.compile_utils import CompileLoss
     from keras.src.trainers.trainer import Trainer
 
     from torus.integrations.keras.strategy import TorusStrategy
+
+    if not hasattr(CompileLoss.call, "_torus_original"):
+        CompileLoss.call = _share_weighted(CompileLoss.call, TorusStrategy)
 
     for maker, step_name in (("make_train_function", "train_step"), ("make_test_function", "test_step")):
         make = getattr(TensorFlowTrainer, maker)
