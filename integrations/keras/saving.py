@@ -43,10 +43,12 @@ Failure modes, as chosen:
 - a save on rank 0 alone of another path, then a save on every rank, again with no such call in between: the
   other ranks write the second file too (each atomically, the last rename wins; under the strategy every rank
   holds the same weights, so the file is the same);
-- a save on a rank other than 0 alone (or the same path on every rank but rank 0) waits the stall timeout
-  (``TORUS_TIMEOUT``, default 600 s) for a notice that never comes, then raises ``torus.errors.TimeoutError``;
-- inside ``fit`` a callback's save on rank 0 alone is a notice the others skip at ``fit``'s end; Keras'
-  ``ModelCheckpoint`` and ``BackupAndRestore`` bypass this module (``files.py`` writes on rank 0 alone).
+- a save on ranks other than 0 without rank 0 waits the stall timeout (``TORUS_TIMEOUT``, default 600 s) for
+  a notice that never comes, then raises ``torus.errors.TimeoutError`` naming the call, rank 0 and the path.
+
+A callback's save on rank 0 alone inside ``fit`` leaves a notice the others skip once ``fit`` has ended. Keras'
+``ModelCheckpoint`` and ``BackupAndRestore`` inside ``fit`` do not come here: ``files.py`` writes on rank 0
+alone (with ``atomic``, inside ``local()``) and the others do nothing.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ import atexit
 import builtins
 import contextlib
 import functools
+import importlib
 import inspect
 import io
 import json
@@ -62,6 +65,8 @@ import shutil
 import sys
 
 import numpy as np
+from keras.src.saving import saving_api  # (not public API, listed below)
+from keras.src.utils import file_utils, io_utils  # (not public API, listed below)
 from mpi4py import MPI
 
 from torus import faults
@@ -69,12 +74,14 @@ from torus.integrations.keras import fit_hook
 from torus.integrations.keras.inputs import torus_strategy_of
 from torus.integrations.keras.loop import stall_timeout
 
-# Every Keras name this module patches or uses that is not public API, in one place.
-_SAVING_API = "keras.src.saving.saving_api"  # save_model, save_weights: what Model.save / save_weights call
-_ALIASES = ("keras.saving", "keras.models")  # public modules that re-export saving_api's functions
+# Every Keras name this module patches or calls that is not public API, in one place:
+# - keras.src.saving.saving_api.save_model / save_weights: rebound here; Model.save / save_weights call them
+#   by these module attributes;
+# - keras.src.utils.file_utils.is_remote_path: which paths cannot be renamed onto (written in place);
+# - keras.src.utils.io_utils.ask_to_proceed_with_overwrite: Keras' overwrite prompt, asked about the target.
+# Public: keras.saving / keras.models (re-export saving_api's functions, rebound too) and keras.Model.export.
+_ALIASES = ("keras.saving", "keras.models")
 _PATCHED = {"save_model": "Model.save", "save_weights": "Model.save_weights"}  # saving_api name -> what users call
-# Model.export (public) is wrapped on keras.Model itself; keras.src.utils.file_utils.is_remote_path and
-# keras.src.utils.io_utils.ask_to_proceed_with_overwrite are used as Keras uses them.
 
 NOTICE_BYTES = 4096  # one notice: small enough for MPI's eager protocol, so rank 0's sends complete at once
 _TAG = 7
@@ -97,13 +104,13 @@ def atomic(write):
     accepts it) that is then renamed onto ``path``; errors and printed text name ``path``, not the hidden one."""
     def atomic_write(filepath, *args, **kwargs):
         filepath = os.fspath(filepath)
-        folder, name = os.path.split(filepath)
+        folder, name = os.path.split(os.path.normpath(filepath))  # "dir/" names dir
         tmp = os.path.join(folder, f".torus-{os.getpid()}-{name}")
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
                 result = write(tmp, *args, **kwargs)
-            _publish(tmp, filepath)
+            _publish(tmp, os.path.join(folder, name))
             return result
         except Exception as exc:
             _rename(exc, tmp, filepath)
@@ -174,7 +181,6 @@ class SaveNotices:
             return None
         try:
             if not overwrite and os.path.exists(path):
-                from keras.src.utils import io_utils
                 if not io_utils.ask_to_proceed_with_overwrite(path):
                     self._post(what, path, None)
                     return None
@@ -209,10 +215,14 @@ class SaveNotices:
         buf = np.zeros(NOTICE_BYTES, np.uint8)  # JSON holds no NUL byte: the notice is what precedes them
         req = self.comm.Irecv([buf, MPI.BYTE], source=0, tag=_TAG)
         timeout, rank = stall_timeout(self.torus_comm), self.torus_comm.rank
-        faults.wait(req, timeout, lambda: (
-            f"{what} on rank {rank}: no notice from rank 0 for {timeout:g} s that it saved {path}: under "
-            f"TorusStrategy call {what} with the same path on every rank (rank 0 writes it) or on rank 0 alone; "
-            "rank 0 did neither, or is stuck or gone; abort the job"))
+        try:
+            faults.wait(req, timeout, lambda: (
+                f"{what} on rank {rank}: no notice from rank 0 for {timeout:g} s that it saved {path}: under "
+                f"TorusStrategy call {what} with the same path on every rank (rank 0 writes it) or on rank 0 "
+                "alone; rank 0 did neither, or is stuck or gone; abort the job"))
+        except BaseException:
+            req.Cancel()  # a later notice must not land in this abandoned buffer
+            raise
         return json.loads(buf.tobytes().rstrip(b"\0"))
 
     def _drain(self) -> None:
@@ -252,22 +262,23 @@ def _remote_error(what: str, rank: int, path: str, name: str, text: str) -> Base
     return RuntimeError(message)
 
 
-def _coordinated(original, what: str, overwrite_default: bool = True):
+def _coordinated(original, what: str):
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapper(model, filepath, *args, **kwargs):
         strategy = torus_strategy_of(model) if hasattr(model, "distribute_strategy") else None
         notices = getattr(strategy, "save_notices", None)
-        if notices is None or _plain[0]:
+        if notices is None or _plain[0] or not isinstance(filepath, (str, os.PathLike)):
             return original(model, filepath, *args, **kwargs)
         try:
             bound = signature.bind(model, filepath, *args, **kwargs).arguments
         except TypeError:  # Keras' own TypeError, on every rank
             return original(model, filepath, *args, **kwargs)
-        overwrite = bool(bound.get("overwrite", overwrite_default))
+        overwrite = bool(bound.get("overwrite", True))  # Keras' default
         path = os.fspath(filepath)
-        from keras.src.utils import file_utils
+        if not isinstance(path, str):  # a bytes path: left to Keras
+            return original(model, filepath, *args, **kwargs)
         in_place = (file_utils.is_remote_path(path) or path.startswith("hf://")
                     or bound.get("max_shard_size") is not None)
         with local():
@@ -281,7 +292,6 @@ def install() -> None:
     """Wrap Keras' save entry points (once per process; see the module docstring)."""
     import keras
 
-    saving_api = sys.modules.get(_SAVING_API) or __import__(_SAVING_API, fromlist=["save_model"])
     for name, what in _PATCHED.items():
         current = getattr(saving_api, name)
         if hasattr(current, "_torus_original"):
@@ -289,7 +299,7 @@ def install() -> None:
         wrapped = _coordinated(current, what)
         setattr(saving_api, name, wrapped)
         for alias in _ALIASES:
-            module = sys.modules.get(alias) or __import__(alias, fromlist=[name])
+            module = importlib.import_module(alias)
             if getattr(module, name, None) is current:
                 setattr(module, name, wrapped)
     export = getattr(keras.Model, "export", None)
