@@ -166,6 +166,31 @@ def test_chief_only_save_does_not_hang(world, strategy, shared):
     assert_weights(load(shared / "w.weights.h5", strategy), want, "every-rank .weights.h5 after chief-only saves")
 
 
+class ChiefSaves(keras.callbacks.Callback):
+    """A user callback in Horovod's style: rank 0 alone saves at every epoch's end."""
+
+    def __init__(self, strategy, path):
+        super().__init__()
+        self.strategy, self.path = strategy, path
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.strategy.is_chief:
+            self.model.save(self.path)
+
+
+def test_chief_only_saves_inside_fit_then_every_rank_after(world, strategy, shared):
+    """The notices of a callback's saves on rank 0 alone, inside fit, are skipped by the save on every rank
+    of the same path after fit."""
+    x = np.random.default_rng(0).standard_normal((N, 5)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 3, N)
+    model = build(strategy)
+    model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+              callbacks=[ChiefSaves(strategy, shared / "latest.keras")])
+    want = diverge(world, model)
+    model.save(shared / "latest.keras")
+    assert_weights(load(shared / "latest.keras", strategy), want, "every-rank save after chief-only ones in fit")
+
+
 @pytest.mark.parametrize("how,name", [("save", "missing/m.keras"), ("save_weights", "missing/w.weights.h5"),
                                       ("save", "m.h6"), ("save_weights", "w.h5")])
 def test_errors_are_raised_on_every_rank_as_one_process_raises_them(world, strategy, shared, how, name):
