@@ -17,33 +17,14 @@ Other callbacks are left alone. What is not handled: a user subclass that writes
 from __future__ import annotations
 
 import json
-import os
 
 import keras
 from keras.src.utils import file_utils
 
-from torus.integrations.keras import fit_hook
+from torus.integrations.keras import fit_hook, saving
 from torus.integrations.keras.inputs import torus_strategy_of
 
 _MARK = "_torus_rank_aware"
-
-
-def _atomic(write):
-    """``write(path, ...)`` made atomic: write a hidden file beside ``path`` (same suffix, so Keras accepts
-    it), then ``os.replace`` it onto ``path``."""
-    def atomic_write(filepath, *args, **kwargs):
-        filepath = str(filepath)
-        folder, name = os.path.split(filepath)
-        tmp = os.path.join(folder, f".torus-{os.getpid()}-{name}")
-        try:
-            write(tmp, *args, **kwargs)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, filepath)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    return atomic_write
 
 
 def _skip(*args, **kwargs):
@@ -54,10 +35,11 @@ class _ChiefCheckpoint:
     def _save_model(self, epoch, batch, logs):
         model = self.model
         chief = self._torus_strategy.is_chief
-        model.save = _atomic(type(model).save.__get__(model)) if chief else _skip
-        model.save_weights = _atomic(type(model).save_weights.__get__(model)) if chief else _skip
+        model.save = saving.atomic(type(model).save.__get__(model)) if chief else _skip
+        model.save_weights = saving.atomic(type(model).save_weights.__get__(model)) if chief else _skip
         try:
-            super()._save_model(epoch, batch, logs)
+            with saving.local():  # on rank 0 alone: no notice to the others (they write nothing, wait for nothing)
+                super()._save_model(epoch, batch, logs)
         finally:
             del model.save, model.save_weights
 
@@ -94,13 +76,14 @@ class _SharedBackup:
             for src, dst in ((self._weights_path, self._prev_weights_path),
                              (self._training_metadata_path, self._prev_training_metadata_path)):
                 if file_utils.exists(src):
-                    _atomic(lambda tmp, src=src: file_utils.copy(src, tmp))(dst)
-        _atomic(lambda tmp: self.model.save_weights(tmp, overwrite=True))(self._weights_path)
+                    saving.atomic(lambda tmp, src=src: file_utils.copy(src, tmp))(dst)
+        with saving.local():
+            saving.atomic(lambda tmp: self.model.save_weights(tmp, overwrite=True))(self._weights_path)
 
         def metadata(tmp):
             with open(tmp, "w") as f:
                 f.write(json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen}))
-        _atomic(metadata)(self._training_metadata_path)
+        saving.atomic(metadata)(self._training_metadata_path)
 
     def on_train_end(self, logs=None):
         if self._torus_strategy.is_chief:

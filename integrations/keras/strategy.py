@@ -23,7 +23,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm, faults
-from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet, trace  # noqa: F401 (files, quiet register their stages)
+from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet, saving, trace  # noqa: F401 (files, quiet register their stages)
 from torus.integrations.keras.loop import HostAllreduce, broadcast_variables
 from torus.integrations.keras.sparse import reduce_gradients
 from torus.select import ALGORITHMS
@@ -125,6 +125,11 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
     local) and return global metrics, but broadcast nothing and do not move a model created outside the scope.
     ``BatchNormalization`` normalizes over each rank's part of the batch unless ``synchronized=True``.
 
+    ``model.save`` / ``save_weights`` / ``export`` and ``keras.saving.save_model`` of a model of the strategy
+    (``saving.py``): called on every rank, rank 0 writes the file once, atomically, and the other ranks wait
+    for its notice (bounded by the stall timeout; rank 0's error is raised on every rank); called on rank 0
+    alone (``if strategy.is_chief:``), rank 0 writes it and nothing waits.
+
     Parameters
     ----------
     dims : (int, int), optional
@@ -180,12 +185,14 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
         self.metrics_host = HostAllreduce(torus_comm, "auto", "none", overlap=False)
         self.metrics_host.name = "metric allreduce"
         self.timeline = self.host.timeline = self.metrics_host.timeline = trace.make(torus_comm)
+        self.save_notices = saving.SaveNotices(torus_comm)
         super().__init__(_TorusExtended(self, self.host, device))
         fit_hook.register("model", adopt.adopt_model)
         fit_hook.register("callbacks", initial_state.add_initial_state)
         fit_hook.register("callbacks", trace.add_step_timeline)
         fit_hook.install(self)
         metrics.install()
+        saving.install()
 
     @property
     def torus_comm(self) -> TorusComm:
