@@ -9,6 +9,8 @@ TorusStrategy and a small model; the last rank then leaves before ``fit``, the o
   agreement on the inputs), which is bounded by the stall timeout (TORUS_TIMEOUT=3 here), raise TimeoutError
   naming it, and abort.
 - ``TorusStrategy(abort_on_exception=False)`` installs no hook (one rank).
+- it creates a variable under the scope that the others do not (they wait in an MPI barrier): the creation's
+  agreement on rank 0's initial value (creation.py) times out after 3 s, naming the variable, and aborts.
 
 The 90 s bound is generous (TensorFlow takes about 10 s to start here): a correctness property, not speed.
 """
@@ -49,6 +51,21 @@ def test_a_rank_leaving_before_fit_ends_the_job(ranks, mode):
         assert survivors and "uncaught TimeoutError" in out, tail
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_variable_one_rank_creates_alone_ends_the_job(ranks):
+    """Variables created under the scope take rank 0's initial value (creation.py): collective. The last rank
+    creates one the others do not (they wait in an unbounded MPI barrier): it times out naming the variable
+    instead of waiting forever, and its uncaught TimeoutError ends the job."""
+    rc, seconds, out = _job(ranks, "extra variable")
+    tail = out[-3000:]
+    last = ranks - 1
+    assert rc != 0, f"exit status 0:\n{tail}"
+    assert seconds < BOUND_S, f"the job took {seconds:.0f} s (bound {BOUND_S} s):\n{tail}"
+    assert f"TorusStrategy on rank {last}: no progress for 3 s agreeing on the initial value of variable " \
+           "'extra' (4,) float32" in out and f"[rank {last}] uncaught TimeoutError" in out, tail
+    assert "barrier done" not in out, tail
+
+
 def test_abort_on_exception_can_be_turned_off():
     rc, _, out = _job(1, "optout")
     assert rc == 0 and "hook installed: False" in out, out[-3000:]
@@ -68,6 +85,15 @@ def worker(mode: str) -> None:
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile("sgd", "mse")
+    if mode == "extra variable":
+        if strategy.rank == strategy.size - 1:
+            import tensorflow as tf
+
+            with strategy.scope():
+                tf.Variable(tf.zeros(4), name="extra")
+        strategy.torus_comm.comm.Barrier()
+        print("barrier done", flush=True)
+        return
     if strategy.rank == strategy.size - 1:
         print(f"rank {strategy.rank} leaves by {mode}", flush=True)
         if mode == "raise":

@@ -20,7 +20,8 @@ What each kind of input does (Keras turns every kind into a ``tf.data`` dataset 
   Every rank must produce the same batches (same seed, same files). Generators go through :class:`Replay`
   so that Keras' first-batch peek under a strategy loses none of them.
 - ``tf.data`` datasets marked as already per rank (``strategy.shard(dataset)`` or ``dataset.shard(N, rank)``
-  before batching, or :func:`per_rank` on one built per rank, e.g. ``torus.integrations.keras.data``): used
+  before batching, :func:`per_rank` on one built per rank, e.g. ``torus.integrations.keras.data``, and what
+  ``strategy.distribute_datasets_from_function`` and ``strategy.experimental_distribute_dataset`` return): used
   as they are, each rank's batch is its share. Their step counts are compared across ranks when ``fit``
   starts (unknown cardinality: one counting pass over the dataset) and equalised to the smallest with a
   warning naming every rank's count (``dataset.take``).
@@ -288,7 +289,7 @@ def _slice(element, lo, hi):
 def split_batches(strategy, dataset: tf.data.Dataset) -> tf.data.Dataset:
     """This rank's share of ``dataset`` (called by ``TorusStrategy.experimental_distribute_dataset``):
     per-rank datasets with their step counts equalised in training, global ones sliced per batch (evenly or
-    refused in training, as evenly as possible otherwise)."""
+    refused in training, as evenly as possible otherwise) and the slices marked per rank (:func:`per_rank`)."""
     mode, _state["next"] = _state["next"], "eval"  # fit's first dataset trains; the next ones validate
     if strategy.size == 1:
         return dataset
@@ -318,10 +319,11 @@ def split_batches(strategy, dataset: tf.data.Dataset) -> tf.data.Dataset:
         def share(element):
             n = first(element)
             return _slice(element, n * rank // size, n * (rank + 1) // size)
-    # a tuple element arrives unpacked (and must go back a tuple, even of one); anything else arrives whole
+    # a tuple element arrives unpacked (and must go back a tuple, even of one); anything else arrives whole.
+    # The shares are marked per rank: a custom loop that passes them to fit is not split again.
     if isinstance(dataset.element_spec, tuple):
-        return dataset.map(lambda *element: share(element))
-    return dataset.map(share)
+        return per_rank(dataset.map(lambda *element: share(element)))
+    return per_rank(dataset.map(share))
 
 
 def _equal_steps(strategy, dataset):

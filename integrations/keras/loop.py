@@ -252,6 +252,15 @@ def stall_timeout(torus_comm):
     return torus_comm._executor.timeout
 
 
+def gather_records(comm, mine: np.ndarray, timeout, stalled) -> np.ndarray:
+    """Every rank's int64 record ``mine`` (the same length on every rank), shape ``(comm.size, mine.size)``:
+    one ``MPI_Iallgather`` over ``comm``, waited at most ``timeout`` s without progress, else
+    ``torus.errors.TimeoutError`` with the message ``stalled()``. Collective."""
+    every = np.empty((comm.Get_size(), mine.size), np.int64)
+    faults.wait(comm.Iallgather(mine, every), timeout, stalled)
+    return every
+
+
 def broadcast_variables(torus_comm, variables, root: int = 0) -> None:
     """Assign rank ``root``'s values to ``variables`` (Keras or tf variables) on every rank. Eager only;
     collective: every rank passes the same variables (count, shapes, dtypes, order).
@@ -265,8 +274,7 @@ def broadcast_variables(torus_comm, variables, root: int = 0) -> None:
     timeout = stall_timeout(torus_comm)
     layout = repr([(tuple(int(d) for d in v.shape), str(v.dtype)) for v in variables]).encode()
     mine = np.array([len(variables), zlib.crc32(layout)], np.int64)
-    every = np.empty((size, mine.size), np.int64)
-    faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
+    every = gather_records(comm, mine, timeout, lambda: (
         f"broadcast_variables on rank {rank}: no progress for {timeout:g} s checking every rank's variable "
         "list: some rank did not call it (it raised, exited or is stuck); abort the job"))
     differ = [r for r in range(size) if (every[r] != every[root]).any()]

@@ -9,7 +9,10 @@ gradients are all-reduced earlier instead, at the start of ``optimizer.apply`` (
 reduction passes them through. Keras scales each rank's loss by ``1 / num_replicas_in_sync``, so the summed
 gradient is the mean over the global batch and one step equals one single-process step on the concatenated
 batch (up to summation order). ``experimental_distribute_dataset`` (Keras' route for every input) returns
-this rank's share (``inputs.split_batches``) as a plain ``tf.data`` dataset, without TF's MultiDeviceIterator.
+this rank's share (``inputs.split_batches``) as a plain ``tf.data`` dataset, without TF's MultiDeviceIterator;
+``distribute_datasets_from_function`` gives ``dataset_fn`` one input pipeline per rank and returns its dataset
+as this rank's. The variable creator gives every variable created under the scope rank 0's initial value
+(``creation.py``).
 
 This relies on TensorFlow internals (``tensorflow.python.distribute.one_device_strategy.OneDeviceExtended``),
 checked on TensorFlow 2.21 / Keras 3.15, the versions pinned in pyproject.toml; tests/mpi/test_keras_*.py
@@ -24,6 +27,7 @@ from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm, faults
 from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet, saving, trace  # noqa: F401 (files, quiet register their stages)
+from torus.integrations.keras.creation import InitialValues
 from torus.integrations.keras.loop import HostAllreduce, broadcast_variables
 from torus.integrations.keras.sparse import reduce_gradients
 from torus.select import ALGORITHMS
@@ -41,6 +45,7 @@ class _TorusExtended(one_device_strategy.OneDeviceExtended):
         super().__init__(container, device)
         self._host = host
         self._passing = 0
+        self._initial_values = InitialValues(host.torus_comm)
 
     @contextlib.contextmanager
     def gradients_reduced(self):
@@ -66,6 +71,23 @@ class _TorusExtended(one_device_strategy.OneDeviceExtended):
             return values
         op = "avg" if reduce_op == tf.distribute.ReduceOp.MEAN else "sum"
         return reduce_gradients(self._host, values, op)  # IndexedSlices stay sparse (sparse.py)
+
+    def _create_variable(self, next_creator, **kwargs):
+        # Every variable created under the scope starts from rank 0's initial value (creation.py).
+        kwargs["initial_value"] = self._initial_values.of(kwargs)
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        # As under MultiWorkerMirroredStrategy: one input pipeline and one replica per rank. dataset_fn's dataset
+        # is this rank's (per-rank batches), marked so: fit and experimental_distribute_dataset do not split it.
+        # Returned as a plain tf.data dataset, like _experimental_distribute_dataset's, for the same reason.
+        size, rank = self._host.torus_comm.size, self._host.torus_comm.rank
+        dataset = dataset_fn(tf.distribute.InputContext(num_input_pipelines=size, input_pipeline_id=rank,
+                                                        num_replicas_in_sync=size))
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(f"TorusStrategy.distribute_datasets_from_function on rank {rank}: dataset_fn returned "
+                            f"{type(dataset).__name__}, expected a tf.data.Dataset")
+        return inputs.per_rank(dataset)
 
     def _experimental_distribute_dataset(self, dataset, options):
         # Keras hands every kind of input here as a tf.data dataset of global batches (or per-rank ones).
@@ -115,6 +137,30 @@ class TorusStrategy(tf.distribute.Strategy):
     - a model created, loaded or compiled outside ``strategy.scope()`` is moved under the strategy (its
       optimizer too; the step functions are rebuilt), with a warning on the chief; a model of another
       ``tf.distribute`` strategy is refused (``adopt.py``).
+
+    Custom loops, MirroredStrategy-style (tf.distribute's contract, as under ``MultiWorkerMirroredStrategy`` with
+    one worker per rank): ``strategy.run(fn, args)`` runs ``fn`` once, on this rank, in a replica context whose
+    ``num_replicas_in_sync`` is the number of ranks (``tf.nn.compute_average_loss`` then averages over the global
+    batch); the Keras optimizer's ``apply_gradients``, the replica context's ``all_reduce`` and
+    ``strategy.reduce`` sum (or average) across ranks.
+
+    - ``distribute_datasets_from_function(dataset_fn)`` calls ``dataset_fn`` once with a
+      ``tf.distribute.InputContext`` of ``num_input_pipelines`` = ranks, ``input_pipeline_id`` = rank and
+      ``num_replicas_in_sync`` = ranks (``get_per_replica_batch_size(B)`` is ``B // ranks``; TF's ``ValueError``
+      where it does not divide), and returns its dataset as it is: this rank's batches, a plain ``tf.data``
+      dataset marked per rank, which ``fit`` and the loop take without splitting it again.
+    - ``experimental_distribute_dataset(dataset)`` of global batches gives this rank's contiguous slice of every
+      batch (``inputs.split_batches``), marked per rank too.
+    - Every variable created under ``scope()`` starts from rank 0's initial value, broadcast at creation
+      (``creation.py``), so a model built without a seed starts, and stays, equal on every rank in a custom
+      loop, in ``train_on_batch`` and in ``fit``. Optimizer slots created in the first step start equal by
+      construction (zeros) and are broadcast all the same. This is collective: every rank must create the same
+      variables under the scope in the same order; one of another shape or dtype raises ``MismatchError`` on
+      every rank, one created on some ranks only raises ``TimeoutError`` there after the stall timeout. Keras'
+      seed generator states take rank 0's plus ``rank * SEED_SPREAD`` (each rank its own random stream, as in
+      ``fit``). Variables created outside the scope keep each rank's values (``strategy.broadcast_variables``).
+    - Not done: ``tf.distribute.get_replica_context().replica_id_in_sync_group`` is 0 on every rank (the
+      one-device strategy's replica context); use ``strategy.rank``.
 
     ``strategy.callbacks()`` returns ``[]`` (kept for existing code). ``jit_compile=True`` is refused at the
     start of ``fit`` / ``evaluate`` (XLA cannot compile the ``tf.numpy_function``); Keras' default ``"auto"``
