@@ -1,7 +1,7 @@
 """TorusStrategy: data-parallel ``model.fit`` over MPI ranks, as a ``tf.distribute.Strategy``.
 
 Underneath it is TensorFlow's one-device strategy (variables and compute on this process' CPU or its one
-GPU) with three overrides in its extended class: the replica count is the number of MPI ranks, and
+GPU) with overrides in its extended class: the replica count is the number of MPI ranks, and
 ``reduce_to`` / ``batch_reduce_to`` run ``torus.integrations.keras.loop.allreduce_tensors``: one fused
 ``tf.numpy_function`` into ``TorusComm.allreduce``. Keras 3's optimizer reaches them through the replica
 context's ``all_reduce`` of the gradient list, after clipping and the loss-scale check; inside ``fit`` the
