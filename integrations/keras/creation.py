@@ -35,8 +35,7 @@ initializers' generators) take rank 0's value offset by ``rank * SEED_SPREAD`` i
 initial broadcast does (``initial_state.py``): each rank draws its own stream for its part of the batch.
 
 Cost: two small collectives per variable at creation (an all-gather of two int64 and the broadcast); one rank
-(``TorusComm`` of size 1): nothing. ResNet-50 with LARS built under the scope (536 variables) took 1-2.5 s
-longer at 2 and 3 ranks on 2 cores (FEATURES.md).
+(``TorusComm`` of size 1): nothing. The measured build time is in FEATURES.md ("Custom loops").
 """
 from __future__ import annotations
 
