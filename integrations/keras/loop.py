@@ -114,11 +114,13 @@ class HostAllreduce:
     (``MPI.Query_thread()`` below ``THREAD_SERIALIZED``) overlap stays off, with one warning if it was asked for.
     Every call of this host, blocking or not, runs after the buckets queued before it
     (``torus.runtime.progress``: one collective at a time per ``TorusComm``). ``timeline``: a
-    ``torus.timeline.Timeline`` (or None) that gets a span per all-reduce.
+    ``torus.timeline.Timeline`` (or None) that gets a span per all-reduce. ``sparse_as_dense``: where
+    ``sparse.reduce_gradients`` densifies ``tf.IndexedSlices`` instead of all-gathering their rows.
     """
 
     def __init__(self, torus_comm, algorithm: str = "auto", compression: str = "none", window: bool = True,
-                 overlap: bool | None = None, bucket_bytes: int | None = None, timeline=None):
+                 overlap: bool | None = None, bucket_bytes: int | None = None, timeline=None,
+                 sparse_as_dense: bool = False):
         self.torus_comm, self.algorithm, self.window = torus_comm, algorithm, window
         self.wire = check_compression(compression)
         self._scratch: dict = {}
@@ -130,7 +132,7 @@ class HostAllreduce:
         self.buckets = Buckets(self)
         self.timeline = timeline
         self.name = "allreduce"
-        self.sparse_as_dense = False  # sparse.reduce_gradients: densify tf.IndexedSlices instead of gathering
+        self.sparse_as_dense = sparse_as_dense
 
     def comm_seconds(self) -> tuple[float, float]:
         """(communication, exposed) seconds so far: every all-reduce of this host, and the part the caller

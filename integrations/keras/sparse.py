@@ -27,7 +27,7 @@ def reduce_gradients(host, grads: list, op: str = "sum") -> list:
     ``allreduce_tensors``, the IndexedSlices through ``allgather_slices`` (or densified with the dense ones where
     ``host.sparse_as_dense``). The dense all-reduce is issued first (its buckets may be in flight)."""
     sparse = [] if host.sparse_as_dense else [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
-    dense = [i for i in range(len(grads)) if i not in set(sparse)]
+    dense = sorted(set(range(len(grads))) - set(sparse))
     out = list(grads)
     for i, g in zip(dense, allreduce_tensors(host, [grads[i] for i in dense], op)):
         out[i] = g

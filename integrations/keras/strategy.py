@@ -226,8 +226,8 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
             faults.abort_on_exception(torus_comm.comm)
         if not isinstance(sparse_as_dense, bool):
             raise TypeError(f"TorusStrategy: sparse_as_dense must be True or False, not {sparse_as_dense!r}")
-        self.host = HostAllreduce(torus_comm, algorithm, compression, overlap=overlap, bucket_bytes=bucket_bytes)
-        self.host.sparse_as_dense = sparse_as_dense
+        self.host = HostAllreduce(torus_comm, algorithm, compression, overlap=overlap, bucket_bytes=bucket_bytes,
+                                  sparse_as_dense=sparse_as_dense)
         self.metrics_host = HostAllreduce(torus_comm, "auto", "none", overlap=False)
         self.metrics_host.name = "metric allreduce"
         self.timeline = self.host.timeline = self.metrics_host.timeline = trace.make(torus_comm)

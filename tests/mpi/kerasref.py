@@ -1,4 +1,4 @@
-"""Shared pieces of the Keras fit tests (test_keras_callbacks/precision/adopt/batchnorm.py): data, models, a
+"""Shared pieces of the Keras fit tests (test_keras_callbacks, precision, adopt, files, save...): data, models, a
 per-step weight recorder, and the checks against one process on the global batch.
 
 The reference runs on every rank: a plain Keras model (no strategy, inside ``fit_hook.local()``) fit on the
@@ -27,6 +27,21 @@ def data(seed: int, n: int, features: int = 6, classes: int = 3):
 def dense_model(features: int = 6, outputs: int = 3):
     return keras.Sequential([keras.Input((features,)), keras.layers.Dense(9, activation="tanh"),
                              keras.layers.Dense(outputs)])
+
+
+def small_model(strategy=None):
+    """A seeded, compiled 5 -> 6 -> 3 classifier (SGD with momentum), under ``strategy``'s scope if given."""
+    def make():
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+        return model
+    if strategy is None:
+        return make()
+    with strategy.scope():
+        return make()
 
 
 def initial_weights(model, seed: int):

@@ -23,6 +23,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: E402
+from kerasref import small_model as build  # noqa: E402
 
 from torus.integrations.keras import TorusStrategy  # noqa: E402
 
@@ -50,20 +51,6 @@ def plain_fit(model, *args, **kwargs):
 def data():
     rng = np.random.default_rng(0)
     return rng.standard_normal((N, 5)).astype(np.float32), rng.integers(0, 3, N)
-
-
-def build(strategy=None):
-    def make():
-        keras.utils.set_random_seed(4)
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="relu"),
-                                  keras.layers.Dense(3)])
-        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
-        return model
-    if strategy is None:
-        return make()
-    with strategy.scope():
-        return make()
 
 
 def files(folder):

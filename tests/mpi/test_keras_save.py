@@ -27,6 +27,7 @@ import keras.src.export  # noqa: E402
 from keras.src.legacy.saving import legacy_h5_format  # noqa: E402
 from keras.src.saving import saving_lib  # noqa: E402
 from keras.src.utils import io_utils  # noqa: E402
+from kerasref import small_model as build  # noqa: E402
 
 from torus.integrations.keras import TorusStrategy  # noqa: E402
 
@@ -59,20 +60,6 @@ def writes(monkeypatch):
             return _original(*args, **kwargs)
         monkeypatch.setattr(module, name, spy)
     return calls
-
-
-def build(strategy=None):
-    def make():
-        keras.utils.set_random_seed(4)
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="relu"),
-                                  keras.layers.Dense(3)])
-        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
-        return model
-    if strategy is None:
-        return make()
-    with strategy.scope():
-        return make()
 
 
 def diverge(world, model, offset=0.0):
