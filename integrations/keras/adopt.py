@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import warnings
 
-from tensorflow.python.distribute import distribute_lib
-
-from torus.integrations.keras import gradients
+from torus.integrations.keras import compat, gradients
 
 
 def _optimizers(optimizer) -> list:
@@ -39,26 +37,26 @@ def _optimizers(optimizer) -> list:
 
 
 def _move(model, strategy, method: str) -> None:
-    own = model._distribute_strategy
+    own = compat.model_strategy(model)
     if own is not None and own is not strategy:
         raise ValueError(f"TorusStrategy on rank {strategy.rank}: model.{method}() on a model created under "
                          f"{type(own).__name__}; create (or load) it under the TorusStrategy's scope()")
     outer = getattr(model, "optimizer", None)
-    foreign = [opt for opt in _optimizers(outer) if getattr(opt, "_distribution_strategy", None) is not strategy]
+    foreign = [opt for opt in _optimizers(outer) if compat.optimizer_strategy(opt) is not strategy]
     for opt in foreign:
-        theirs = getattr(opt, "_distribution_strategy", None)
-        if theirs is not None and theirs is not distribute_lib._get_default_strategy():
+        theirs = compat.optimizer_strategy(opt)
+        if theirs is not None and theirs is not compat.default_strategy():
             raise ValueError(f"TorusStrategy on rank {strategy.rank}: model.{method}() with an optimizer created "
                              f"under {type(theirs).__name__}; create it under the TorusStrategy's scope()")
     if foreign and not outer.built and model.built:
         # Its slots must be colocated by the strategy that created the variables (none, here).
         outer.build(model.trainable_variables)
     for opt in foreign:
-        opt._distribution_strategy = strategy
+        compat.set_optimizer_strategy(opt, strategy)
     moved = own is None or bool(foreign)
     if not moved:
         return
-    model._distribute_strategy = strategy
+    compat.set_model_strategy(model, strategy)
     model.train_function = model.test_function = model.predict_function = None
     if strategy.is_chief:
         warnings.warn(f"TorusStrategy: model {model.name!r} (or its optimizer) was created outside "
@@ -70,18 +68,18 @@ def _warn_local_batch_norm(model, strategy) -> None:
         return
     import keras
 
-    local = [layer.name for layer in model._flatten_layers()
+    local = [layer.name for layer in compat.flatten_layers(model)
              if isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized]
     if local:
-        object.__setattr__(model, "_torus_warned_batch_norm", True)
+        compat.set_on_instance(model, "_torus_warned_batch_norm", True)
         warnings.warn(f"TorusStrategy: BatchNormalization layers {local[:3]}{' ...' if len(local) > 3 else ''} "
                       "normalize over each rank's part of the batch and keep per-rank moving statistics; pass "
                       "synchronized=True to normalize over the global batch as one process does", stacklevel=4)
 
 
-def adopt_model(strategy, method: str, arguments: dict) -> dict:
-    """Stage "model": move the model under ``strategy`` or refuse it; see the module docstring."""
-    model = arguments["self"]
+def adopt_model(call) -> None:
+    """Stage "model": move the model under ``call.strategy`` or refuse it; see the module docstring."""
+    strategy, method, model = call.strategy, call.method, call.arguments["self"]
     _move(model, strategy, method)
     if method in ("fit", "evaluate") and model.jit_compile:
         raise ValueError(f"TorusStrategy on rank {strategy.rank}: model.{method}() with jit_compile=True; "
@@ -92,4 +90,3 @@ def adopt_model(strategy, method: str, arguments: dict) -> dict:
         if gradients.reduce_first(model.optimizer, strategy):
             model.train_function = None  # e.g. traced by train_on_batch before, with Keras' late all-reduce
         _warn_local_batch_norm(model, strategy)
-    return arguments

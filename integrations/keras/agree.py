@@ -24,10 +24,10 @@ import zlib
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import array_data_adapter, data_adapter_utils
 
 from torus import faults
 from torus.errors import MismatchError
+from torus.integrations.keras.compat import array_data_adapter, data_adapter_utils
 from torus.integrations.keras.loop import stall_timeout
 
 SAMPLE_NBYTES = 1 << 20

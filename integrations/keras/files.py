@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 
 import keras
-from keras.src.utils import file_utils
 
-from torus.integrations.keras import fit_hook, saving
+from torus.integrations.keras import compat, saving
+from torus.integrations.keras.compat import file_utils
 from torus.integrations.keras.inputs import torus_strategy_of
 
 _MARK = "_torus_rank_aware"
@@ -51,7 +51,7 @@ class _SharedBackup:
         if strategy.is_chief:
             try:
                 super().on_train_begin(logs)
-                state = (file_utils.exists(self._weights_path), getattr(model, "_initial_epoch", None), None)
+                state = (file_utils.exists(compat.backup_files(self)[0]), compat.initial_epoch(model), None)
             except Exception as exc:  # the other ranks must not wait for a broadcast that never comes
                 state = (False, None, f"{type(exc).__name__}: {exc}")
         found, epoch, error = strategy.torus_comm.comm.bcast(state, root=0)
@@ -65,25 +65,25 @@ class _SharedBackup:
             with strategy.scope():
                 optimizer.build(model.trainable_variables)
         strategy.broadcast_variables(list(model.variables) + list(optimizer.variables if optimizer else []))
-        model._initial_epoch = epoch
+        compat.set_initial_epoch(model, epoch)
 
     def _save_model(self):
         if not self._torus_strategy.is_chief:
             return
         if not file_utils.exists(self.backup_dir):
             file_utils.makedirs(self.backup_dir)
+        weights, prev_weights, metadata_path, prev_metadata = compat.backup_files(self)
         if self.double_checkpoint:
-            for src, dst in ((self._weights_path, self._prev_weights_path),
-                             (self._training_metadata_path, self._prev_training_metadata_path)):
+            for src, dst in ((weights, prev_weights), (metadata_path, prev_metadata)):
                 if file_utils.exists(src):
                     saving.atomic(lambda tmp, src=src: file_utils.copy(src, tmp))(dst)
         with saving.local():
-            saving.atomic(lambda tmp: self.model.save_weights(tmp, overwrite=True))(self._weights_path)
+            saving.atomic(lambda tmp: self.model.save_weights(tmp, overwrite=True))(weights)
 
         def metadata(tmp):
             with open(tmp, "w") as f:
-                f.write(json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen}))
-        saving.atomic(metadata)(self._training_metadata_path)
+                f.write(json.dumps(compat.backup_position(self)))
+        saving.atomic(metadata)(metadata_path)
 
     def on_train_end(self, logs=None):
         if self._torus_strategy.is_chief:
@@ -107,7 +107,7 @@ def _swap(callback, mixin, strategy) -> None:
     key = (mixin, cls)
     if key not in _subclasses:
         _subclasses[key] = type(f"RankAware{cls.__name__}", (mixin, cls), {})
-    callback.__class__ = _subclasses[key]
+    compat.swap_class(callback, _subclasses[key])
     callback._torus_strategy = strategy
     setattr(callback, _MARK, True)
 
@@ -130,17 +130,13 @@ def make_rank_aware(callback, strategy) -> None:
             _swap(callback, _Silent, strategy)
 
 
-def rank_aware_callbacks(active, method: str, arguments: dict) -> dict:
+def rank_aware_callbacks(call) -> None:
     """fit_hook stage "callbacks": the file callbacks in the user's list become rank-aware (models of no
     TorusStrategy are left alone)."""
-    strategy = torus_strategy_of(arguments["self"])
+    strategy = torus_strategy_of(call.arguments["self"])
     if strategy is None:
-        return arguments
-    callbacks = arguments["callbacks"]
+        return
+    callbacks = call.arguments["callbacks"]
     members = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else callbacks or []
     for callback in members:
         make_rank_aware(callback, strategy)
-    return arguments
-
-
-fit_hook.register("callbacks", rank_aware_callbacks)

@@ -2,48 +2,77 @@
 
 Keras 3's TensorFlow trainer builds its callback list and data iterator inside ``fit``; a strategy alone cannot
 reach either before the first step. ``install(strategy)`` (called by ``TorusStrategy.__init__``, idempotent)
-wraps the three methods of ``keras.src.backend.tensorflow.trainer.TensorFlowTrainer`` once per process. Each
+wraps the three methods of Keras' ``TensorFlowTrainer`` once per process (``compat.install``). Each
 wrapper binds the call's arguments by name, then hands them through the stages below in order, then calls the
 original method:
 
-- ``check_model`` (stage "model"): the model must run under the active ``TorusStrategy``, or be moved under it,
-  or the call is refused with an error naming the rank and the reason (never a silent local run).
-- ``prepare_inputs`` (stage "inputs"): how inputs are sharded per rank (``batch_size`` is the global batch).
-- ``prepare_callbacks`` (stage "callbacks"): the internal callbacks go first (initial-state broadcast, global
-  metrics), so every user callback in any order sees global values; file callbacks become rank-aware.
-- ``finish`` (stage "result"): what the call returns (e.g. ``evaluate``'s global logs, ``predict``'s rows in
-  the order of the inputs).
+- stage "model": the model must run under the active ``TorusStrategy``, or be moved under it, or the call is
+  refused with an error naming the rank and the reason (never a silent local run);
+- stage "inputs": how inputs are sharded per rank (``batch_size`` is the global batch);
+- stage "callbacks": the internal callbacks go first (initial-state broadcast, global metrics), so every user
+  callback in any order sees global values; file callbacks become rank-aware;
+- stage "result": what the call returns (e.g. ``evaluate``'s global logs, ``predict``'s rows in the order of
+  the inputs).
 
-A stage is a function ``(strategy, method, arguments) -> arguments`` (``finish``: ``(strategy, method,
-arguments, result) -> result``) registered with ``register(stage, fn)``; stages run in registration order.
-``arguments`` maps every parameter name to its value (``"self"`` is the model), plus any extra keyword the call
-passed (``evaluate``'s private ``_use_cached_eval_dataset=True`` when ``fit`` validates). ``strategy`` is the
-model's own ``TorusStrategy`` when it was created under one, else the one created last. A process without a
-``TorusStrategy`` (or a model of another strategy, when no TorusStrategy exists) runs Keras unchanged, and so
-do every call inside ``with fit_hook.local():`` and a model whose optimizer all-reduces by itself (Horovod's
-``DistributedOptimizer``, outside any strategy scope).
+``PIPELINE`` lists every stage function in the order they run, in one place. A stage function takes the
+call, a :class:`Call` (``strategy``, ``method``, ``arguments``, ``scratch``), and changes ``call.arguments``;
+a "result" function takes ``(call, result)`` and returns the result. ``arguments`` maps every parameter name
+to its value (``"self"`` is the model), plus any extra keyword the call passed (``evaluate``'s private
+``_use_cached_eval_dataset=True`` when ``fit`` validates). ``scratch`` is a dict that lives for this one
+call: what one stage leaves for a later one (predict's row recorder) goes there, never in module state.
+``strategy`` is the model's own ``TorusStrategy`` when it was created under one, else the one created last.
+A process without a ``TorusStrategy`` (or a model of another strategy, when no TorusStrategy exists) runs
+Keras unchanged, and so do every call inside ``with fit_hook.local():`` and a model whose optimizer
+all-reduces by itself (Horovod's ``DistributedOptimizer``, outside any strategy scope). The methods are
+wrapped by ``compat.install`` (every patch site of Keras is listed there).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 STAGES = ("model", "inputs", "callbacks", "result")
 METHODS = ("fit", "evaluate", "predict")
 
-_stages: dict[str, list[Callable]] = {stage: [] for stage in STAGES}
+# (stage, module of torus.integrations.keras, function), in the order they run.
+PIPELINE = (
+    ("model", "saving", "count_start"),
+    ("model", "adopt", "adopt_model"),
+    ("inputs", "inputs", "prepare_inputs"),
+    ("callbacks", "inputs", "input_callbacks"),
+    ("callbacks", "files", "rank_aware_callbacks"),
+    ("callbacks", "quiet", "quiet_other_ranks"),
+    ("callbacks", "initial_state", "add_initial_state"),
+    ("callbacks", "trace", "add_step_timeline"),
+    ("result", "inputs", "gather_predictions"),
+    ("result", "saving", "count_end"),
+)
+
 _active = {"strategy": None, "local": 0}
 
 
-def register(stage: str, fn: Callable) -> Callable:
-    """Add ``fn`` to ``stage`` (one of ``STAGES``); returns ``fn`` (usable as a decorator factory's result)."""
-    if stage not in _stages:
-        raise ValueError(f"fit_hook.register: unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
-    if fn not in _stages[stage]:
-        _stages[stage].append(fn)
-    return fn
+@dataclasses.dataclass
+class Call:
+    """One fit / evaluate / predict call as the stages see it (see the module docstring)."""
+
+    strategy: Any
+    method: str
+    arguments: dict
+    scratch: dict = dataclasses.field(default_factory=dict)
+
+
+@functools.cache
+def stages() -> dict[str, list[Callable]]:
+    """``PIPELINE``'s functions by stage, in order (imported on first use: they import TensorFlow)."""
+    out: dict[str, list[Callable]] = {stage: [] for stage in STAGES}
+    for stage, module, name in PIPELINE:
+        out[stage].append(getattr(importlib.import_module(f"torus.integrations.keras.{module}"), name))
+    return out
 
 
 def active_strategy():
@@ -66,9 +95,10 @@ def local():
 
 def strategy_for(model):
     """The ``TorusStrategy`` a call on ``model`` runs under: the model's own, else the active one (or None)."""
+    from torus.integrations.keras.compat import model_strategy
     from torus.integrations.keras.strategy import TorusStrategy
 
-    own = getattr(model, "_distribute_strategy", None)
+    own = model_strategy(model)
     active = _active["strategy"]
     return own if active is not None and isinstance(own, TorusStrategy) else active
 
@@ -77,7 +107,9 @@ def _self_distributed(model) -> bool:
     """True when the model's optimizer (or one it wraps) all-reduces by itself and the model is of no strategy:
     Horovod's ``DistributedOptimizer`` (``torus.integrations.keras.horovod``), whose users feed per-rank data
     and average metrics with callbacks, as in Horovod. Such a model runs as plain Keras on every rank."""
-    if getattr(model, "_distribute_strategy", None) is not None:
+    from torus.integrations.keras.compat import model_strategy
+
+    if model_strategy(model) is not None:
         return False
     optimizer, seen = getattr(model, "optimizer", None), 0
     while optimizer is not None and seen < 8:
@@ -87,7 +119,8 @@ def _self_distributed(model) -> bool:
     return False
 
 
-def _wrap(original: Callable, method: str) -> Callable:
+def wrap(original: Callable, method: str) -> Callable:
+    """``original`` (Keras' ``fit`` / ``evaluate`` / ``predict``) run through ``PIPELINE``."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -99,44 +132,41 @@ def _wrap(original: Callable, method: str) -> Callable:
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         arguments.update(arguments.pop("kwargs", {}) if "kwargs" in signature.parameters else {})
+        call = Call(strategy, method, arguments)
         for stage in ("model", "inputs", "callbacks"):
-            for fn in _stages[stage]:
-                arguments = fn(strategy, method, arguments)
-        result = original(**arguments)
-        for fn in _stages["result"]:
-            result = fn(strategy, method, arguments, result)
+            for fn in stages()[stage]:
+                fn(call)
+        result = original(**call.arguments)
+        for fn in stages()["result"]:
+            result = fn(call, result)
         return result
 
-    wrapper._torus_original = original  # type: ignore[attr-defined]
     return wrapper
 
 
 def install(strategy) -> None:
-    """Make ``strategy`` the active one and wrap fit/evaluate/predict (once per process)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    """Make ``strategy`` the active one and wrap Keras' patch sites (once per process: ``compat.install``)."""
+    from torus.integrations.keras import compat
 
     _active["strategy"] = strategy
-    for method in METHODS:
-        current = getattr(TensorFlowTrainer, method)
-        if not hasattr(current, "_torus_original"):
-            setattr(TensorFlowTrainer, method, _wrap(current, method))
+    compat.install()
 
 
-def add_callback(arguments: dict, cls, *args) -> dict:
-    """For a stage "callbacks": ``arguments`` with ``cls(*args)`` appended to the call's callbacks unless one
+def add_callback(call: Call, cls, *args) -> None:
+    """For a stage "callbacks": ``call.arguments`` get ``cls(*args)`` appended to the call's callbacks unless one
     of ``cls`` is there already (a ``CallbackList`` that Keras built is extended in place, the callback given
     the model and the list's params; a list or single callback becomes a new list)."""
     import keras
 
-    callbacks = arguments.get("callbacks")
+    callbacks = call.arguments.get("callbacks")
     if isinstance(callbacks, keras.callbacks.CallbackList):
         if not any(isinstance(c, cls) for c in callbacks.callbacks):
             mine = cls(*args)
-            mine.set_model(arguments["self"])
+            mine.set_model(call.arguments["self"])
             mine.set_params(callbacks.params)
             callbacks.callbacks.append(mine)
-        return arguments
+        return
     listed = keras.tree.flatten(callbacks) if callbacks else []
     if not any(isinstance(c, cls) for c in listed):
         listed.append(cls(*args))
-    return {**arguments, "callbacks": listed}
+    call.arguments = {**call.arguments, "callbacks": listed}

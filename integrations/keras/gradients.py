@@ -20,6 +20,7 @@ import functools
 
 import tensorflow as tf
 
+from torus.integrations.keras import compat
 from torus.integrations.keras.sparse import reduce_gradients
 
 
@@ -45,5 +46,5 @@ def reduce_first(optimizer, strategy) -> bool:
             return original(grads, trainable_variables)
 
     apply._torus_strategy = strategy  # type: ignore[attr-defined]
-    object.__setattr__(optimizer, "apply", apply)
+    compat.set_on_instance(optimizer, "apply", apply)
     return True

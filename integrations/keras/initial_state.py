@@ -66,6 +66,6 @@ class InitialState(keras.callbacks.Callback):
                 v.assign(state)
 
 
-def add_initial_state(strategy, method: str, arguments: dict) -> dict:
+def add_initial_state(call) -> None:
     """Stage "callbacks": append an ``InitialState`` unless the call's callbacks hold one already."""
-    return fit_hook.add_callback(arguments, InitialState, strategy)
+    fit_hook.add_callback(call, InitialState, call.strategy)

@@ -51,13 +51,13 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
 
-from torus.integrations.keras import agree, fit_hook
+from torus.integrations.keras import agree, compat
+from torus.integrations.keras.compat import array_data_adapter, array_slicing, data_adapter_utils
 
 _MARK = "_torus_per_rank"
 _DEFAULT_BATCH = 32  # Keras' own default for arrays
-_state = {"next": "eval", "predict_rows": []}
+_state = {"next": "eval"}  # how the next dataset Keras hands the strategy is split (set by prepare_inputs)
 
 
 def per_rank(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -78,10 +78,9 @@ def is_per_rank(dataset: tf.data.Dataset, size: int | None = None) -> bool:
         seen.add(id(ds))
         if getattr(ds, _MARK, False):
             return True
-        if size and type(ds).__name__ == "_ShardDataset" and tf.executing_eagerly() \
-                and int(ds._num_shards) == size:
+        if size and compat.shard_count(ds) == size:
             return True
-        todo.extend(getattr(ds, "_inputs", list)())
+        todo.extend(compat.dataset_inputs(ds))
     return False
 
 
@@ -228,12 +227,13 @@ def torus_strategy_of(model):
     return strategy if hasattr(strategy, "torus_comm") else None
 
 
-def prepare_inputs(active, method: str, arguments: dict) -> dict:
+def prepare_inputs(call) -> None:
     """fit_hook stage "inputs": arrays split-checked and served in the agreed order, PyDatasets in it too.
     Models of no TorusStrategy are left alone."""
+    method, arguments = call.method, call.arguments
     strategy = torus_strategy_of(arguments["self"])
     if strategy is None:
-        return arguments
+        return
     agree.agree_arrays(strategy, method, arguments)
     _state["next"] = "train" if method == "fit" else "eval"
     if method == "predict" and strategy.size > 1 and arguments["self"].steps_per_execution > 1:
@@ -242,7 +242,7 @@ def prepare_inputs(active, method: str, arguments: dict) -> dict:
     if method == "evaluate" and _is_generator(arguments["x"]):
         arguments["x"] = Replay(arguments["x"]).dataset()
     if method != "fit":
-        return arguments
+        return
     if _is_generator(arguments["validation_data"]):
         arguments["validation_data"] = Replay(arguments["validation_data"]).dataset()
     if _is_generator(arguments["x"]):
@@ -255,7 +255,7 @@ def prepare_inputs(active, method: str, arguments: dict) -> dict:
             arguments["shuffle"] = False
     x, shuffle = arguments["x"], arguments["shuffle"]
     clock = {"epoch": arguments["initial_epoch"]}
-    _state["clock"] = clock
+    call.scratch["clock"] = clock
     if array_data_adapter.can_convert_arrays((x, arguments["y"], arguments["sample_weight"])):
         split = 0.0
         if arguments["validation_split"] and arguments["validation_data"] is None:
@@ -279,7 +279,6 @@ def prepare_inputs(active, method: str, arguments: dict) -> dict:
                              "shuffle=False (and shuffle inside the PyDataset with a seed shared by all ranks) "
                              "or use threads (use_multiprocessing=False)")
         arguments.update(x=AgreedOrder(x, _agreed_seed(strategy), clock), shuffle=False)
-    return arguments
 
 
 def _slice(element, lo, hi):
@@ -365,13 +364,14 @@ class EpochClock(keras.callbacks.Callback):
         self.clock["epoch"] = epoch
 
 
-def gather_predictions(active, method: str, arguments: dict, result):
+def gather_predictions(call, result):
     """fit_hook stage "result" for predict: every rank's rows, gathered, in input order (per-rank inputs: in
     rank order)."""
+    arguments = call.arguments
     strategy = torus_strategy_of(arguments["self"])
-    if method != "predict" or strategy is None or strategy.size == 1:
+    if call.method != "predict" or strategy is None or strategy.size == 1:
         return result
-    recorder = _state["predict_rows"].pop()
+    recorder = call.scratch["predict_rows"]
     gathered = strategy.torus_comm.comm.allgather((recorder.rows, result))
     x = arguments["x"]
     if isinstance(x, tf.data.Dataset) and is_per_rank(x, strategy.size):
@@ -384,27 +384,21 @@ def gather_predictions(active, method: str, arguments: dict, result):
     return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *pieces)
 
 
-def input_callbacks(active, method: str, arguments: dict) -> dict:
+def input_callbacks(call) -> None:
     """fit_hook stage "callbacks": fit's epoch clock (for :class:`AgreedOrder`) and predict's row recorder,
     added to a copy of the user's list (a ``CallbackList`` gets them appended)."""
+    arguments = call.arguments
     strategy = torus_strategy_of(arguments["self"])
     if strategy is None:
-        return arguments
-    if method == "fit":
-        extra = EpochClock(_state["clock"])
-    elif method == "predict" and strategy.size > 1:
-        extra = PredictRows()
-        _state["predict_rows"].append(extra)
+        return
+    if call.method == "fit":
+        extra = EpochClock(call.scratch["clock"])
+    elif call.method == "predict" and strategy.size > 1:
+        extra = call.scratch["predict_rows"] = PredictRows()
     else:
-        return arguments
+        return
     callbacks = arguments["callbacks"]
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(extra)
     else:
         arguments["callbacks"] = [extra] + list(callbacks or [])
-    return arguments
-
-
-fit_hook.register("inputs", prepare_inputs)
-fit_hook.register("callbacks", input_callbacks)
-fit_hook.register("result", gather_predictions)

@@ -2,17 +2,17 @@
 
 Keras builds both a step's logs (``compute_metrics``, in the step function) and the epoch's logs and
 ``evaluate``'s return value (``_get_metrics_result_or_logs``, eager) from ``Trainer.get_metrics_result()``.
-``install()`` wraps that method once per process: for a model under a ``TorusStrategy`` it all-reduces the
-state variables of all the model's metrics (one fused ``tf.numpy_function``, uncompressed), assigns the global
-values, calls the original ``get_metrics_result()``, and assigns the local values back (the next step keeps
-accumulating its own). Each variable is combined by its Keras ``aggregation``, as ``tf.distribute``'s on-read
-variables are: "sum" (every built-in metric: totals, counts, confusion matrices) summed, "mean" averaged,
-"only_first_replica" rank 0's, "none" left local. So every metric is exact, not only means: AUC, precision,
-recall, IoU, R2 come out as one process on the global data would compute them (up to float summation order),
+``global_metrics_result`` wraps that method (``compat.install``, once per process): for a model under a
+``TorusStrategy`` it all-reduces the state variables of all the model's metrics (one fused ``tf.numpy_function``,
+uncompressed), assigns the global values, calls the original ``get_metrics_result()``, and assigns the local values
+back (the next step keeps accumulating its own). Each variable is combined by its Keras ``aggregation``, as
+``tf.distribute``'s on-read variables are: "sum" (every built-in metric: totals, counts, confusion matrices) summed,
+"mean" averaged, "only_first_replica" rank 0's, "none" left local. So every metric is exact, not only means: AUC,
+precision, recall, IoU, R2 come out as one process on the global data would compute them (up to float summation order),
 and bitwise equal on every rank, so callbacks decide alike.
 
 A model that overrides ``train_step`` or ``test_step`` (the keras.io guide's ``return {m.name: m.result() for m
-in self.metrics}``) gets the same: ``install()`` also wraps ``make_train_function`` / ``make_test_function``, which
+in self.metrics}``) gets the same: ``global_step_maker`` wraps ``make_train_function`` / ``make_test_function``, which
 give such a model a per-instance step that calls the user's and then makes its logs global (``global_logs``):
 an entry named after one of ``model.metrics`` is replaced by that metric's result from the global states (exact,
 as above); any other floating entry is averaged over ranks (what Keras' ``reduce_per_replica(..., "auto")``
@@ -24,7 +24,7 @@ global loss over the number of ranks.
 A model with several outputs tracks each output's loss in ``CompileLoss``'s own ``Mean`` per output, which Keras
 updates with the batch's mean loss weighted by the batch's *static* row count (None inside the step function:
 weight 1), so one process reports the mean over batches of each batch's mean, the last partial batch counting
-as much as a full one. Under a ``TorusStrategy`` ``install()`` wraps ``CompileLoss.call`` so that each rank
+as much as a full one. Under a ``TorusStrategy`` ``share_weighted`` wraps ``CompileLoss.call`` so that each rank
 weights its part of a batch by its share of the batch's rows (one small all-reduce of the row count per step,
 only for models with per-output trackers): summed over ranks every global batch then counts once with its
 global mean, as on one process, also where the rows split unevenly over the ranks.
@@ -39,6 +39,7 @@ import functools
 
 import tensorflow as tf
 
+from torus.integrations.keras import compat
 from torus.integrations.keras.loop import allreduce_tensors
 
 
@@ -97,9 +98,7 @@ def global_logs(model, strategy, logs):
 def _global_step(model, strategy, name: str) -> None:
     """Give ``model`` a per-instance ``name`` (``train_step`` / ``test_step``) whose logs are global, where its
     class overrides Keras' own; once per model."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    if getattr(type(model), name) is getattr(TensorFlowTrainer, name) or name in vars(model):
+    if getattr(type(model), name) is getattr(compat.TensorFlowTrainer, name) or name in vars(model):
         return
     user_step = getattr(model, name)
 
@@ -107,17 +106,25 @@ def _global_step(model, strategy, name: str) -> None:
     def step(data):
         return global_logs(model, strategy, user_step(data))
 
-    object.__setattr__(model, name, step)  # past Keras' attribute tracking: a method, not state
+    compat.set_on_instance(model, name, step)  # past Keras' attribute tracking: a method, not state
 
 
-def _share_weighted(call, strategy_type):
+def _torus_strategy_of(model):
+    from torus.integrations.keras.strategy import TorusStrategy
+
+    strategy = compat.model_strategy(model)
+    return strategy if isinstance(strategy, TorusStrategy) else None
+
+
+def share_weighted(call):
     """``CompileLoss.call`` with its per-output loss trackers weighted by this rank's share of the batch."""
+    from torus.integrations.keras.strategy import TorusStrategy
 
     @functools.wraps(call)
     def wrapped(self, y_true, y_pred, sample_weight=None):
         strategy = tf.distribute.get_strategy()
         trackers = [t for t in self.metrics if t is not None]
-        if not isinstance(strategy, strategy_type) or not trackers or tf.distribute.in_cross_replica_context():
+        if not isinstance(strategy, TorusStrategy) or not trackers or tf.distribute.in_cross_replica_context():
             return call(self, y_true, y_pred, sample_weight)
         rows = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0], tf.float32)
         share = rows / allreduce_tensors(strategy.metrics_host, [rows], "sum")[0]
@@ -129,55 +136,39 @@ def _share_weighted(call, strategy_type):
             return update_state
 
         for t in trackers:
-            object.__setattr__(t, "update_state", weighted(t.update_state))
+            compat.set_on_instance(t, "update_state", weighted(t.update_state))
         try:
             return call(self, y_true, y_pred, sample_weight)
         finally:
             for t in trackers:
-                object.__delattr__(t, "update_state")
+                compat.del_on_instance(t, "update_state")
 
-    wrapped._torus_original = call  # type: ignore[attr-defined]
     return wrapped
 
 
-def install() -> None:
-    """Wrap ``keras.src.trainers.trainer.Trainer.get_metrics_result``, ``TensorFlowTrainer``'s
-    ``make_train_function`` / ``make_test_function`` and ``keras.src.trainers.compile_utils.CompileLoss.call``
-    once per process."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    from keras.src.trainers.compile_utils import CompileLoss
-    from keras.src.trainers.trainer import Trainer
+def global_step_maker(make, step_name: str):
+    """``TensorFlowTrainer.make_train_function`` / ``make_test_function`` (``make``) that first gives a model
+    of a TorusStrategy whose class overrides ``step_name`` a step with global logs (``_global_step``)."""
 
-    from torus.integrations.keras.strategy import TorusStrategy
+    @functools.wraps(make)
+    def wrapped(self, *args, **kwargs):
+        strategy = _torus_strategy_of(self)
+        if strategy is not None:
+            _global_step(self, strategy, step_name)
+        return make(self, *args, **kwargs)
 
-    if not hasattr(CompileLoss.call, "_torus_original"):
-        CompileLoss.call = _share_weighted(CompileLoss.call, TorusStrategy)
+    return wrapped
 
-    for maker, step_name in (("make_train_function", "train_step"), ("make_test_function", "test_step")):
-        make = getattr(TensorFlowTrainer, maker)
-        if hasattr(make, "_torus_original"):
-            continue
 
-        def wrapped(self, *args, _make=make, _step=step_name, **kwargs):
-            strategy = getattr(self, "_distribute_strategy", None)
-            if isinstance(strategy, TorusStrategy):
-                _global_step(self, strategy, _step)
-            return _make(self, *args, **kwargs)
-
-        functools.update_wrapper(wrapped, make)
-        wrapped._torus_original = make  # type: ignore[attr-defined]
-        setattr(TensorFlowTrainer, maker, wrapped)
-
-    current = Trainer.get_metrics_result
-    if hasattr(current, "_torus_original"):
-        return
+def global_metrics_result(current):
+    """``Trainer.get_metrics_result`` (``current``) from the metric states summed over ranks (``global_results``)
+    for a model of a TorusStrategy."""
 
     @functools.wraps(current)
     def get_metrics_result(self):
-        strategy = getattr(self, "_distribute_strategy", None)
-        if not isinstance(strategy, TorusStrategy):
+        strategy = _torus_strategy_of(self)
+        if strategy is None:
             return current(self)
         return global_results(current, self, strategy)
 
-    get_metrics_result._torus_original = current  # type: ignore[attr-defined]
-    Trainer.get_metrics_result = get_metrics_result
+    return get_metrics_result

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import keras
 
-from torus.integrations.keras import fit_hook
 from torus.integrations.keras.inputs import torus_strategy_of
 
 
@@ -23,19 +22,16 @@ def is_builtin(callback) -> bool:
     return False
 
 
-def quiet_other_ranks(active, method: str, arguments: dict) -> dict:
+def quiet_other_ranks(call) -> None:
     """fit_hook stage "callbacks": ``verbose=0`` for the call and for Keras' built-in callbacks on every rank
     but the chief (models of no TorusStrategy are left alone)."""
+    arguments = call.arguments
     strategy = torus_strategy_of(arguments["self"])
     if strategy is None or strategy.is_chief:
-        return arguments
+        return
     arguments["verbose"] = 0
     callbacks = arguments["callbacks"]
     members = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else callbacks or []
     for callback in members:
         if is_builtin(callback) and hasattr(callback, "verbose"):
             callback.verbose = 0
-    return arguments
-
-
-fit_hook.register("callbacks", quiet_other_ranks)

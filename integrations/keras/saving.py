@@ -2,8 +2,8 @@
 TorusStrategy: called on every rank, the file is written once, by rank 0, atomically; called on rank 0 alone
 (``if strategy.is_chief:``, Horovod's idiom), it is written there and nothing waits.
 
-``install()`` (called by ``TorusStrategy.__init__``, idempotent) wraps Keras' save entry points once per
-process (the names are in ``_PATCHED`` below). ``Model.save`` and ``Model.save_weights`` reach
+``compat.install()`` (called by ``TorusStrategy.__init__``, idempotent) wraps Keras' save entry points once per
+process with ``coordinated`` (the names are in ``PATCHED`` below). ``Model.save`` and ``Model.save_weights`` reach
 ``saving_api.save_model`` / ``save_weights`` through that module's attributes, so they are covered with the
 public functions; ``keras.saving.save_model`` and ``keras.models.save_model`` are the same function object,
 rebound in both modules (a ``from keras.saving import save_model`` made before the strategy existed keeps the
@@ -56,7 +56,6 @@ import atexit
 import builtins
 import contextlib
 import functools
-import importlib
 import inspect
 import io
 import json
@@ -65,23 +64,17 @@ import shutil
 import sys
 
 import numpy as np
-from keras.src.saving import saving_api  # (not public API, listed below)
-from keras.src.utils import file_utils, io_utils  # (not public API, listed below)
 from mpi4py import MPI
 
 from torus import faults
-from torus.integrations.keras import fit_hook
+from torus.integrations.keras.compat import file_utils, io_utils
 from torus.integrations.keras.inputs import torus_strategy_of
 from torus.integrations.keras.loop import stall_timeout
 
-# Every Keras name this module patches or calls that is not public API, in one place:
-# - keras.src.saving.saving_api.save_model / save_weights: rebound here; Model.save / save_weights call them
-#   by these module attributes;
-# - keras.src.utils.file_utils.is_remote_path: which paths cannot be renamed onto (written in place);
-# - keras.src.utils.io_utils.ask_to_proceed_with_overwrite: Keras' overwrite prompt, asked about the target.
-# Public: keras.saving / keras.models (re-export saving_api's functions, rebound too) and keras.Model.export.
-_ALIASES = ("keras.saving", "keras.models")
-_PATCHED = {"save_model": "Model.save", "save_weights": "Model.save_weights"}  # saving_api name -> what users call
+# keras.src.saving.saving_api's save_model / save_weights are rebound (compat.install): Model.save / save_weights
+# call them by these module attributes; keras.saving / keras.models re-export them and are rebound too.
+ALIASES = ("keras.saving", "keras.models")
+PATCHED = {"save_model": "Model.save", "save_weights": "Model.save_weights"}  # saving_api name -> what users call
 
 NOTICE_BYTES = 4096  # one notice: small enough for MPI's eager protocol, so rank 0's sends complete at once
 _TAG = 7
@@ -149,13 +142,12 @@ def _rename(exc: BaseException, tmp: str, filepath: str) -> None:
             setattr(exc, attr, getattr(exc, attr).replace(tmp, filepath))
 
 
-def _count_start(strategy, method: str, arguments: dict) -> dict:
+def count_start(call) -> None:
     """fit_hook stage "model": a fit / evaluate / predict starts, a boundary between save windows."""
     _window[0] += 1
-    return arguments
 
 
-def _count_end(strategy, method: str, arguments: dict, result):
+def count_end(call, result):
     """fit_hook stage "result": it ended, another boundary."""
     _window[0] += 1
     return result
@@ -262,7 +254,8 @@ def _remote_error(what: str, rank: int, path: str, name: str, text: str) -> Base
     return RuntimeError(message)
 
 
-def _coordinated(original, what: str):
+def coordinated(original, what: str):
+    """``original`` (a Keras save entry point, shown as ``what``) written once by rank 0 (the module docstring)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -284,28 +277,6 @@ def _coordinated(original, what: str):
         with local():
             return notices.save(what, original, model, filepath, args, kwargs, in_place, overwrite)
 
-    wrapper._torus_original = original  # type: ignore[attr-defined]
     return wrapper
 
 
-def install() -> None:
-    """Wrap Keras' save entry points (once per process; see the module docstring)."""
-    import keras
-
-    for name, what in _PATCHED.items():
-        current = getattr(saving_api, name)
-        if hasattr(current, "_torus_original"):
-            continue
-        wrapped = _coordinated(current, what)
-        setattr(saving_api, name, wrapped)
-        for alias in _ALIASES:
-            module = importlib.import_module(alias)
-            if getattr(module, name, None) is current:
-                setattr(module, name, wrapped)
-    export = getattr(keras.Model, "export", None)
-    if export is not None and not hasattr(export, "_torus_original"):
-        keras.Model.export = _coordinated(export, "Model.export")
-
-
-fit_hook.register("model", _count_start)
-fit_hook.register("result", _count_end)

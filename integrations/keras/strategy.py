@@ -14,19 +14,18 @@ this rank's share (``inputs.split_batches``) as a plain ``tf.data`` dataset, wit
 as this rank's. The variable creator gives every variable created under the scope rank 0's initial value
 (``creation.py``).
 
-This relies on TensorFlow internals (``tensorflow.python.distribute.one_device_strategy.OneDeviceExtended``),
-checked on TensorFlow 2.21 / Keras 3.15, the versions pinned in pyproject.toml; tests/mpi/test_keras_*.py
-guard it. Why not ``MirroredStrategy``: with one local device it never calls custom cross-device ops.
+This relies on TensorFlow internals (``OneDeviceExtended``: its private methods are overridden), resolved and
+checked at import by ``compat.py`` against the tested range in pyproject.toml; tests/mpi/test_keras_*.py guard
+it. Why not ``MirroredStrategy``: with one local device it never calls custom cross-device ops.
 """
 from __future__ import annotations
 
 import contextlib
 
 import tensorflow as tf
-from tensorflow.python.distribute import one_device_strategy
 
 from torus import TorusComm, faults
-from torus.integrations.keras import adopt, files, fit_hook, initial_state, inputs, metrics, quiet, saving, trace  # noqa: F401 (files, quiet register their stages)
+from torus.integrations.keras import compat, fit_hook, inputs, saving, trace
 from torus.integrations.keras.creation import InitialValues
 from torus.integrations.keras.loop import HostAllreduce, broadcast_variables
 from torus.integrations.keras.sparse import reduce_gradients
@@ -40,7 +39,7 @@ def _local(value):
     return value
 
 
-class _TorusExtended(one_device_strategy.OneDeviceExtended):
+class _TorusExtended(compat.OneDeviceExtended):
     def __init__(self, container, host: HostAllreduce, device: str):
         super().__init__(container, device)
         self._host = host
@@ -233,12 +232,7 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
         self.timeline = self.host.timeline = self.metrics_host.timeline = trace.make(torus_comm)
         self.save_notices = saving.SaveNotices(torus_comm)
         super().__init__(_TorusExtended(self, self.host, device))
-        fit_hook.register("model", adopt.adopt_model)
-        fit_hook.register("callbacks", initial_state.add_initial_state)
-        fit_hook.register("callbacks", trace.add_step_timeline)
         fit_hook.install(self)
-        metrics.install()
-        saving.install()
 
     @property
     def torus_comm(self) -> TorusComm:

@@ -56,8 +56,7 @@ class StepTimeline(keras.callbacks.Callback):
         self.timeline.save()
 
 
-def add_step_timeline(strategy, method: str, arguments: dict) -> dict:
+def add_step_timeline(call) -> None:
     """Stage "callbacks": append a ``StepTimeline`` to ``fit`` where the strategy records a timeline."""
-    if strategy.timeline is None or method != "fit":
-        return arguments
-    return fit_hook.add_callback(arguments, StepTimeline, strategy.timeline)
+    if call.strategy.timeline is not None and call.method == "fit":
+        fit_hook.add_callback(call, StepTimeline, call.strategy.timeline)

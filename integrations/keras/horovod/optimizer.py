@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from torus.integrations.keras import compat
 from torus.integrations.keras.horovod.basics import rank
 from torus.integrations.keras.horovod.collectives import Average, Sum, fused_allreduce, host_allreduce
 from torus.integrations.keras.horovod.compression import Compression
@@ -177,6 +178,6 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     optimizer = model.optimizer
     if optimizer is not None and not is_distributed(optimizer):
         # Swap the class in place so the loaded slots and iterations stay; the subclass adds only methods.
-        optimizer.__class__ = _distributed_class(type(optimizer))
+        compat.swap_class(optimizer, _distributed_class(type(optimizer)))
         optimizer._torus = _Reducer(host, Average, 1.0, 1, False)
     return model
