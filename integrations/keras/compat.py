@@ -50,7 +50,9 @@ _MODULES = {
 REQUIRED: tuple[tuple[object, tuple[str, ...]], ...] = (
     ("trainer", ("TensorFlowTrainer",)),
     ("trainer.TensorFlowTrainer", ("fit", "evaluate", "predict", "make_train_function", "make_test_function",
-                                   "train_step", "test_step")),
+                                   "train_step", "test_step", "_maybe_symbolic_build")),
+    ("trainer", ("TFEpochIterator",)),
+    ("trainer.TFEpochIterator", ("_get_iterator",)),
     ("base_trainer", ("Trainer",)),
     ("base_trainer.Trainer", ("get_metrics_result",)),
     ("compile_utils", ("CompileLoss",)),
@@ -69,8 +71,20 @@ REQUIRED: tuple[tuple[object, tuple[str, ...]], ...] = (
     (keras.callbacks.ModelCheckpoint, ("_save_model",)),
     (keras.callbacks.BackupAndRestore, ("_save_model",)),
     (keras.layers.Layer, ("_flatten_layers",)),
-    (tf.data.Dataset, ("_inputs",)),
+    (keras.optimizers.Optimizer, ("_get_variable_index",)),
+    (tf.data.Dataset, ("_inputs", "_as_serialized_graph")),
 )
+
+# Private attributes that subclasses here read or override on their Keras / TensorFlow base (``self._name``,
+# ``super()._name``): the rest of the package may use these and no other inherited private name. Instance
+# attributes among them (an optimizer's ``_iterations``, its ``_trainable_variables`` after ``build``) cannot be
+# checked on the class; tests/test_keras_compat.py checks them on real objects.
+INHERITED = frozenset({
+    "_container_strategy", "_create_variable", "_reduce_to", "_batch_reduce_to", "_num_replicas_in_sync",
+    "_distribute_datasets_from_function", "_experimental_distribute_dataset",  # OneDeviceExtended (strategy.py)
+    "_save_model",  # ModelCheckpoint / BackupAndRestore (files.py)
+    "_get_variable_index", "_iterations", "_trainable_variables",  # keras.optimizers.Optimizer (lars, horovod)
+})
 
 
 def _distribution(name: str) -> str | None:
@@ -236,6 +250,21 @@ def shard_count(dataset) -> int | None:
     return int(dataset._num_shards)
 
 
+def dataset_graph(dataset):
+    """``dataset``'s graph, a ``GraphDef`` (device assignments stripped, stateful ops kept as they are);
+    raises what TensorFlow raises where it cannot be serialized (e.g. a graph over 2 GB)."""
+    policy = tf.data.experimental.ExternalStatePolicy.IGNORE
+    serialized = dataset._as_serialized_graph(strip_device_assignment=True, external_state_policy=policy)
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(serialized.numpy())
+    return graph
+
+
+def epoch_dataset(epoch_iterator):
+    """What a ``TFEpochIterator`` iterates: the (strategy-distributed) dataset of one epoch."""
+    return epoch_iterator._get_iterator()
+
+
 def set_on_instance(obj, name: str, value) -> None:
     """Set ``obj.name`` past Keras' attribute tracking (a method or a flag, not state to save)."""
     object.__setattr__(obj, name, value)
@@ -278,12 +307,13 @@ def original(fn):
 
 def install() -> None:
     """Wrap every one of ``PATCH_SITES`` (once per process)."""
-    from torus.integrations.keras import fit_hook, metrics, saving
+    from torus.integrations.keras import fit_hook, inputs, metrics, saving
 
     for method in fit_hook.METHODS:
         patch(TensorFlowTrainer, method, lambda fn, m=method: fit_hook.wrap(fn, m))
     patch(TensorFlowTrainer, "make_train_function", lambda fn: metrics.global_step_maker(fn, "train_step"))
     patch(TensorFlowTrainer, "make_test_function", lambda fn: metrics.global_step_maker(fn, "test_step"))
+    patch(TensorFlowTrainer, "_maybe_symbolic_build", inputs.build_without_peeking)
     patch(Trainer, "get_metrics_result", metrics.global_metrics_result)
     patch(CompileLoss, "call", metrics.share_weighted)
     for name, what in saving.PATCHED.items():
@@ -295,6 +325,7 @@ def install() -> None:
 PATCH_SITES = (
     "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.fit / evaluate / predict (fit_hook.wrap)",
     "TensorFlowTrainer.make_train_function / make_test_function (metrics.global_step_maker)",
+    "TensorFlowTrainer._maybe_symbolic_build (inputs.build_without_peeking)",
     "keras.src.trainers.trainer.Trainer.get_metrics_result (metrics.global_metrics_result)",
     "keras.src.trainers.compile_utils.CompileLoss.call (metrics.share_weighted)",
     "keras.src.saving.saving_api.save_model / save_weights, and keras.saving / keras.models (saving.coordinated)",

@@ -43,6 +43,7 @@ count; ``predict`` returns every row in input order on every rank (rows gathered
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -52,7 +53,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from torus.integrations.keras import agree, compat
+from torus.integrations.keras import agree, compat, dataset_agree
 from torus.integrations.keras.compat import array_data_adapter, array_slicing, data_adapter_utils
 
 _MARK = "_torus_per_rank"
@@ -221,6 +222,24 @@ def _check_even(strategy, rows: int, batch_size: int, validation_split: float = 
                      "strategy.shard(tf.data.Dataset...)")
 
 
+def build_without_peeking(original):
+    """``TensorFlowTrainer._maybe_symbolic_build`` (``original``) that, for a model of a TorusStrategy, builds
+    from the epoch dataset's ``element_spec`` instead of a batch pulled from a started iterator. Keras' peek (under
+    every ``tf.distribute`` strategy) starts the dataset once before the first epoch, so a dataset shuffled with a
+    seed and ``reshuffle_each_iteration`` would train its first epoch on its second order, unlike one process;
+    a symbolic build needs only shapes and dtypes."""
+
+    @functools.wraps(original)
+    def build(self, iterator=None, data_batch=None):
+        if iterator is not None and data_batch is None and torus_strategy_of(self) is not None:
+            dataset = compat.epoch_dataset(iterator)
+            if isinstance(dataset, tf.data.Dataset):
+                return original(self, data_batch=dataset.element_spec)
+        return original(self, iterator=iterator, data_batch=data_batch)
+
+    return build
+
+
 def torus_strategy_of(model):
     """The model's ``TorusStrategy`` (it was built under ``strategy.scope()``), or None."""
     strategy = model.distribute_strategy
@@ -235,6 +254,7 @@ def prepare_inputs(call) -> None:
     if strategy is None:
         return
     agree.agree_arrays(strategy, method, arguments)
+    dataset_agree.agree_datasets(strategy, method, arguments)
     _state["next"] = "train" if method == "fit" else "eval"
     if method == "predict" and strategy.size > 1 and arguments["self"].steps_per_execution > 1:
         raise ValueError(f"TorusStrategy predict on rank {strategy.rank}: steps_per_execution > 1 is not "

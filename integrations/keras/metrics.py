@@ -72,8 +72,9 @@ def global_results(original, model, strategy) -> dict:
     for v, total in zip(variables, allreduce_tensors(strategy.metrics_host, shares, "sum")):
         v.assign(total)
     # Variable reads and writes keep program order (eagerly, and by tf.function's automatic control
-    # dependencies), so the results read the global values and the restore comes after them.
-    results = tf.nest.map_structure(tf.identity, original(model))
+    # dependencies), so the results read the global values and the restore comes after them. Python numbers (Keras
+    # pythonifies eager results) stay numbers, as one process returns them.
+    results = tf.nest.map_structure(lambda r: tf.identity(r) if tf.is_tensor(r) else r, original(model))
     for v, x in zip(variables, local):
         v.assign(x)
     return results
