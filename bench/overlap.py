@@ -57,7 +57,8 @@ def main() -> None:
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import keras
 
-    from torus.integrations.keras import TorusStrategy, allreduce_tensors, fit_hook
+    from torus.integrations.keras import TorusStrategy, allreduce_tensors
+    from torus.integrations.keras.fit import fit_hook
 
     strategy = TorusStrategy(algorithm=args.algorithm, compression=args.compression, overlap=True,
                              bucket_bytes=args.bucket_bytes)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow")
-from torus.integrations.keras.buckets import plan  # noqa: E402
+from torus.integrations.keras.collectives.buckets import plan  # noqa: E402
 
 
 def oracle(sizes, dtypes, cap, first_cap):

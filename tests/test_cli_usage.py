@@ -35,7 +35,7 @@ def _job(module: str, *args: str, ranks: int = 2, pythonpath: Path | None = None
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
 
 
-TRAIN = "torus.integrations.keras.train"
+TRAIN = "torus.integrations.keras.app.cli"
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -109,7 +109,7 @@ def test_sim_usage_errors(tmp_path):
     assert main(["--params", str(tmp_path / "none.json")]) == 2
 
 
-@pytest.mark.parametrize("module", ["torus.integrations.keras.train", "torus.bench.cli", "torus.sim.cli"])
+@pytest.mark.parametrize("module", ["torus.integrations.keras.app.cli", "torus.bench.cli", "torus.sim.cli"])
 def test_every_flag_has_help(module):
     import importlib
     parser = importlib.import_module(module).parser()

@@ -15,7 +15,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 from PIL import Image  # noqa: E402
 
-from torus.integrations.keras import checkpoint, data, digits, tfrecords  # noqa: E402
+from torus.integrations.keras.app import checkpoint, data, digits, tfrecords  # noqa: E402
 
 CLASSES = ["n01", "n02", "n10"]  # sorted folder names give labels 0, 1, 2
 

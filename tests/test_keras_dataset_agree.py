@@ -1,11 +1,11 @@
-"""The dataset-graph fingerprint (integrations/keras/dataset_agree.py): the same for datasets built alike (names
+"""The dataset-graph fingerprint (integrations/keras/fit/dataset_agree.py): the same for datasets built alike (names
 and per-process counters ignored), different for other data, seeds or batch sizes; unseeded shuffles flagged."""
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from torus.integrations.keras.dataset_agree import fingerprint  # noqa: E402
+from torus.integrations.keras.fit.dataset_agree import fingerprint  # noqa: E402
 
 
 def _rows(seed=0, n=40):

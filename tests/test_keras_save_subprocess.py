@@ -1,4 +1,4 @@
-"""Saves under TorusStrategy (integrations/keras/saving.py) at the ends of a job, where an in-process test cannot
+"""Saves under TorusStrategy (integrations/keras/fit/saving.py) at the ends of a job, where an in-process test cannot
 look: ``mpiexec -n 2`` of this file (the worker at the bottom).
 
 - ``chief-only``: rank 0 alone saves three times (Horovod's idiom) and the script ends: its notices stay unread

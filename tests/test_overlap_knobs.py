@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("tensorflow")
-from torus.integrations.keras.buckets import BUCKET_BYTES  # noqa: E402
-from torus.integrations.keras.loop import resolve_bucket_bytes, resolve_overlap  # noqa: E402
+from torus.integrations.keras.collectives.buckets import BUCKET_BYTES  # noqa: E402
+from torus.integrations.keras.collectives.loop import resolve_bucket_bytes, resolve_overlap  # noqa: E402
 from torus.runtime.progress import threads_ok  # noqa: E402
 
 

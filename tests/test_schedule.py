@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from torus.integrations.keras.schedule import BatchSizeSchedule, LearningRateRule
+from torus.integrations.keras.training.schedule import BatchSizeSchedule, LearningRateRule
 
 
 def test_batch_schedule_lookup_and_string_form():

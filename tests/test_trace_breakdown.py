@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from torus.integrations.keras.breakdown import breakdown
+from torus.integrations.keras.app.breakdown import breakdown
 
 
 def span(name, pid, ts, dur, **args):
@@ -60,7 +60,7 @@ def test_the_tool_runs_without_tensorflow(tmp_path):
     import json
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": [span("train step", 0, 5.0 * k, 1.0) for k in range(3)]}))
-    code = ("import sys; from torus.integrations.keras import breakdown; rc = breakdown.main([sys.argv[1]]); "
+    code = ("import sys; from torus.integrations.keras.app import breakdown; rc = breakdown.main([sys.argv[1]]); "
             "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules; raise SystemExit(rc)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -8,14 +8,22 @@ broadcast and global metrics happen inside ``fit`` / ``evaluate`` / ``predict``)
 ``strategy.broadcast_variables``).
 
 Names are imported on first use, so the schedules work without importing TensorFlow.
+
+Laid out by role: ``strategy`` (the strategy) and ``compat`` (every Keras / TensorFlow internal used and every
+patch site) at the top; ``fit/`` the stages that make ``fit`` / ``evaluate`` / ``predict`` data-parallel;
+``collectives/`` all-reduce, broadcast and all-gather of TensorFlow tensors (custom loops, gradient buckets,
+sparse gradients, the timeline); ``training/`` LARS and batch-size control; ``app/`` the ``torus-train``
+application (CLI, trainer, input pipelines, checkpoints, trace breakdown); ``horovod/`` the Horovod-compatible
+module.
 """
 import importlib
 
 _MODULE = {
-    "LARS": "lars",
-    "BatchSizeSchedule": "schedule", "LearningRateRule": "schedule",
-    "BatchControl": "callbacks",
-    "HostAllreduce": "loop", "allreduce_tensors": "loop", "broadcast_variables": "loop",
+    "LARS": "training.lars",
+    "BatchSizeSchedule": "training.schedule", "LearningRateRule": "training.schedule",
+    "BatchControl": "training.callbacks",
+    "HostAllreduce": "collectives.loop", "allreduce_tensors": "collectives.loop",
+    "broadcast_variables": "collectives.loop",
     "TorusStrategy": "strategy",
 }
 __all__ = list(_MODULE)

@@ -307,7 +307,7 @@ def original(fn):
 
 def install() -> None:
     """Wrap every one of ``PATCH_SITES`` (once per process)."""
-    from torus.integrations.keras import fit_hook, inputs, metrics, saving
+    from torus.integrations.keras.fit import fit_hook, inputs, metrics, saving
 
     for method in fit_hook.METHODS:
         patch(TensorFlowTrainer, method, lambda fn, m=method: fit_hook.wrap(fn, m))

@@ -2,7 +2,7 @@
 
 Underneath it is TensorFlow's one-device strategy (variables and compute on this process' CPU or its one
 GPU) with overrides in its extended class: the replica count is the number of MPI ranks, and
-``reduce_to`` / ``batch_reduce_to`` run ``torus.integrations.keras.loop.allreduce_tensors``: one fused
+``reduce_to`` / ``batch_reduce_to`` run ``torus.integrations.keras.collectives.loop.allreduce_tensors``: one fused
 ``tf.numpy_function`` into ``TorusComm.allreduce``. Keras 3's optimizer reaches them through the replica
 context's ``all_reduce`` of the gradient list, after clipping and the loss-scale check; inside ``fit`` the
 gradients are all-reduced earlier instead, at the start of ``optimizer.apply`` (``gradients.py``), and that later
@@ -25,10 +25,12 @@ import contextlib
 import tensorflow as tf
 
 from torus import TorusComm, faults
-from torus.integrations.keras import compat, fit_hook, inputs, saving, trace
-from torus.integrations.keras.creation import InitialValues
-from torus.integrations.keras.loop import HostAllreduce, broadcast_variables
-from torus.integrations.keras.sparse import reduce_gradients
+from torus.integrations.keras import compat
+from torus.integrations.keras.collectives import trace
+from torus.integrations.keras.collectives.loop import HostAllreduce, broadcast_variables
+from torus.integrations.keras.collectives.sparse import reduce_gradients
+from torus.integrations.keras.fit import fit_hook, inputs, saving
+from torus.integrations.keras.fit.creation import InitialValues
 from torus.select import ALGORITHMS
 
 

@@ -34,7 +34,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from torus.integrations.keras import digits
+    from torus.integrations.keras.app import digits
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORUS_CACHE", str(tmp_path_factory.mktemp("cache")))
@@ -43,7 +43,7 @@ def data(tmp_path_factory):
 
 def _start(cluster, data, ckpt, *extra: str) -> subprocess.Popen:
     cmd = cluster.mpiexec(ppn=1) + [
-        "-n", "2", sys.executable, "-m", "torus.integrations.keras.train", "--data", str(data),
+        "-n", "2", sys.executable, "-m", "torus.integrations.keras.app.cli", "--data", str(data),
         "--model", "tiny", "--image-size", "8", "--epochs", str(EPOCHS), "--batch-schedule", "0:64,1:128",
         "--warmup-epochs", "1", "--threads", "1", "--verbose", "0", "--checkpoint-dir", str(ckpt), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -21,7 +21,8 @@ from hvd_common import (
     tf,
 )
 
-from torus.integrations.keras import TorusStrategy, fit_hook
+from torus.integrations.keras import TorusStrategy
+from torus.integrations.keras.fit import fit_hook
 from torus.integrations.keras.horovod.optimizer import is_distributed
 
 STEPS = 4

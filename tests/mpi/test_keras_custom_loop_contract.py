@@ -26,8 +26,9 @@ import keras  # noqa: E402
 from kerasref import Record, assert_identical_across_ranks, assert_steps_match  # noqa: E402
 
 from torus.errors import MismatchError  # noqa: E402
-from torus.integrations.keras import TorusStrategy, fit_hook, inputs  # noqa: E402
-from torus.integrations.keras.initial_state import SEED_SPREAD  # noqa: E402
+from torus.integrations.keras import TorusStrategy  # noqa: E402
+from torus.integrations.keras.fit import fit_hook, inputs  # noqa: E402
+from torus.integrations.keras.fit.initial_state import SEED_SPREAD  # noqa: E402
 
 G, STEPS = 12, 4  # global batch (divisible by 1, 2, 3) and steps
 

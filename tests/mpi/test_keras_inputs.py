@@ -21,7 +21,7 @@ import keras  # noqa: E402
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: E402
 
 from torus.integrations.keras import TorusStrategy  # noqa: E402
-from torus.integrations.keras.inputs import epoch_order, per_rank  # noqa: E402
+from torus.integrations.keras.fit.inputs import epoch_order, per_rank  # noqa: E402
 
 B = 12  # global batch, divisible by 1, 2 and 3
 
@@ -246,7 +246,7 @@ def test_hand_sharded_arrays_are_refused_before_any_step(world, strategy):
 
 
 def test_fingerprint_sees_first_last_rows_order_shape_dtype():
-    from torus.integrations.keras.agree import SAMPLE_NBYTES, fingerprint
+    from torus.integrations.keras.fit.agree import SAMPLE_NBYTES, fingerprint
     rng = np.random.default_rng(12)
     x = rng.standard_normal((5000, 300)).astype(np.float32)  # 1.2 KiB rows: a sample of ~870 of 5000
     base = fingerprint(x)
@@ -264,7 +264,7 @@ def test_fingerprint_sees_first_last_rows_order_shape_dtype():
 def test_even_fix_satisfies_the_check():
     """The suggested (batch_size, rows) split every batch evenly, with the most rows any even split keeps
     (a brute-force search over all batch sizes) and the largest batch_size multiple not above the given one."""
-    from torus.integrations.keras.inputs import even_fix
+    from torus.integrations.keras.fit.inputs import even_fix
 
     def splits(rows, batch, size):
         return rows > 0 and all(min(batch, rows - s) % size == 0 for s in range(0, rows, batch))

@@ -16,7 +16,8 @@ tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 from kerasref import B, assert_identical_across_ranks, initial_weights  # noqa: E402
 
-from torus.integrations.keras import TorusStrategy, fit_hook  # noqa: E402
+from torus.integrations.keras import TorusStrategy  # noqa: E402
+from torus.integrations.keras.fit import fit_hook  # noqa: E402
 
 
 @pytest.fixture(scope="module")

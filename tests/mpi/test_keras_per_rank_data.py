@@ -17,8 +17,9 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 from kerasref import B, assert_identical_across_ranks, data, small_model  # noqa: E402
 
 from torus.errors import MismatchError  # noqa: E402
-from torus.integrations.keras import TorusStrategy, fit_hook  # noqa: E402
-from torus.integrations.keras.inputs import per_rank  # noqa: E402
+from torus.integrations.keras import TorusStrategy  # noqa: E402
+from torus.integrations.keras.fit import fit_hook  # noqa: E402
+from torus.integrations.keras.fit.inputs import per_rank  # noqa: E402
 
 
 @pytest.fixture(scope="module")

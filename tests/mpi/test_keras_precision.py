@@ -21,7 +21,8 @@ tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 from kerasref import B, Record, assert_identical_across_ranks, assert_steps_match, data, dense_model, initial_weights  # noqa: E402
 
-from torus.integrations.keras import TorusStrategy, fit_hook  # noqa: E402
+from torus.integrations.keras import TorusStrategy  # noqa: E402
+from torus.integrations.keras.fit import fit_hook  # noqa: E402
 
 STEPS = 4
 

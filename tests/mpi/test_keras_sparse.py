@@ -16,7 +16,8 @@ tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 from kerasref import B, Record, assert_steps_match, initial_weights  # noqa: E402
 
-from torus.integrations.keras import TorusStrategy, fit_hook  # noqa: E402
+from torus.integrations.keras import TorusStrategy  # noqa: E402
+from torus.integrations.keras.fit import fit_hook  # noqa: E402
 
 VOCAB, LENGTH = 40, 5
 

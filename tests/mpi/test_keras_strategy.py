@@ -17,7 +17,8 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 from kerasref import Record, assert_identical_across_ranks  # noqa: E402
 
-from torus.integrations.keras import LARS, HostAllreduce, TorusStrategy, allreduce_tensors, fit_hook  # noqa: E402
+from torus.integrations.keras import LARS, HostAllreduce, TorusStrategy, allreduce_tensors  # noqa: E402
+from torus.integrations.keras.fit import fit_hook  # noqa: E402
 
 B, STEPS = 12, 5  # global batch (divisible by 1, 2, 3) and steps per test
 

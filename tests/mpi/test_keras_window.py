@@ -1,5 +1,5 @@
-"""The Keras all-reduce through a shared ``TorusComm.alloc`` buffer (integrations/keras/window.py): where it is
-taken, results against MPI and the out-of-place path (bitwise identical across ranks), outputs TensorFlow
+"""The Keras all-reduce through a shared ``TorusComm.alloc`` buffer (integrations/keras/collectives/window.py):
+where it is taken, results against MPI and the out-of-place path (bitwise identical across ranks), outputs TensorFlow
 still holds never overwritten, the bound on shared buffers, and ``fit`` equal to one process with it.
 
 Runs at 1, 2 and 3 ranks (TensorFlow is heavy on the 2-core test machine); at 1 rank the path is never taken
@@ -20,8 +20,9 @@ from kerasref import B, Record, assert_identical_across_ranks, assert_steps_matc
 
 from oracle import one_node  # noqa: E402
 from torus import TorusComm  # noqa: E402
-from torus.integrations.keras import HostAllreduce, TorusStrategy, allreduce_tensors, fit_hook  # noqa: E402
-from torus.integrations.keras import window as window_module  # noqa: E402
+from torus.integrations.keras import HostAllreduce, TorusStrategy, allreduce_tensors  # noqa: E402
+from torus.integrations.keras.collectives import window as window_module  # noqa: E402
+from torus.integrations.keras.fit import fit_hook  # noqa: E402
 
 SIZE = MPI.COMM_WORLD.Get_size()
 SHM = SIZE > 1 and one_node()  # where auto picks shm for these small buffers (torus/select.py)

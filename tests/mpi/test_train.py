@@ -15,8 +15,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 from mpi4py import MPI  # noqa: E402
 
-from torus.integrations.keras import digits, train  # noqa: E402
-from torus.integrations.keras.data import DataError  # noqa: E402
+from torus.integrations.keras.app import cli, digits, trainer  # noqa: E402
+from torus.integrations.keras.app.data import DataError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 2, reason="torus-train tests run at 1 and 2 ranks")
 
@@ -46,9 +46,9 @@ def _images(root: Path, split: str):
 
 
 def _train(world, data, *extra):
-    args = train.parse_args(["--data", str(data), "--model", "tiny", "--image-size", "8", "--epochs", "1",
+    args = cli.parse_args(["--data", str(data), "--model", "tiny", "--image-size", "8", "--epochs", "1",
                              "--batch-schedule", "0:64", "--warmup-epochs", "0.5", "--verbose", "0", *extra])
-    return train.Trainer(args, world, threads=1)
+    return trainer.Trainer(args, world, threads=1)
 
 
 def _check_run(world, trainer, summary, train_count):

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("tensorflow")
 from mpi4py import MPI  # noqa: E402
 
-from torus.integrations.keras import checkpoint, digits  # noqa: E402
+from torus.integrations.keras.app import checkpoint, digits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                                 reason="launches its own mpiexec -n 2; runs in the 1-rank job")
@@ -39,7 +39,7 @@ def _env(**extra) -> dict:
 def _start(data: Path, ckpt: Path, *extra, **env) -> subprocess.Popen:
     bindir = Path(sys.executable).parent
     mpiexec = shutil.which("mpiexec", path=str(bindir)) or shutil.which("mpiexec")
-    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "torus.integrations.keras.train", "--data", str(data),
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "torus.integrations.keras.app.cli", "--data", str(data),
            "--model", "tiny", "--image-size", "8", "--epochs", str(EPOCHS), "--batch-schedule", "0:32,3:64",
            "--warmup-epochs", "1", "--threads", "1", "--verbose", "0", "--checkpoint-dir", str(ckpt), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**env),

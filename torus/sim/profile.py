@@ -9,7 +9,7 @@ The JSON format (``torus-step-profile/1``), times in seconds from the step's sta
      "apply_s": 0.01,
      "metric": {"nbytes": 8, "dtype": "float32"}}
 
-- ``buckets``, in the order the communication thread runs them (torus.integrations.keras.buckets: reverse
+- ``buckets``, in the order the communication thread runs them (torus.integrations.keras.collectives.buckets: reverse
   variable order, fixed by the model): ``ready_s`` when the bucket has been copied into its buffer and handed
   to the thread, ``nbytes`` the bytes it all-reduces, ``dtype`` its element type on the wire (``nbytes`` is a
   whole number of them), ``algorithm`` optional (the one the run used; torus-sim ``--algo`` overrides it);
@@ -166,7 +166,7 @@ def _rank_steps(spans: list[dict], rank: int) -> list[dict]:
 
 def from_trace(trace: dict, source: str = "") -> Profile:
     """The profile of a torus timeline (torus.timeline's Chrome trace with the spans of
-    torus.integrations.keras.trace: ``train step``, ``bucket K start``, ``bucket K allreduce`` with args
+    torus.integrations.keras.collectives.trace: ``train step``, ``bucket K start``, ``bucket K allreduce`` with args
     ``nbytes``/``wire``/``algorithm``, ``metric allreduce``). Per rank, over its train steps with buckets
     after the first (which traces), the median of: each bucket's ready time (its ``start`` span's end, from
     the step's start), the apply tail (the step's end less the later of the last ready time and the last bucket

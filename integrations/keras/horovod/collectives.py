@@ -2,7 +2,7 @@
 
 Each tensor call is one ``tf.numpy_function`` (``stateful``, so inside a ``tf.function`` they run in program
 order on every rank), usable eagerly or in a graph; not XLA-compilable. Every call is collective: all ranks
-make the same calls in the same order. All-reduce goes through ``torus.integrations.keras.loop``
+make the same calls in the same order. All-reduce goes through ``torus.integrations.keras.collectives.loop``
 (``HostAllreduce`` / ``allreduce_tensors``, the torus schedules); all-gather and broadcast move bytes with the
 communicator's own ``MPI_Allgatherv`` / ``MPI_Bcast`` after an all-gather of every rank's shape and dtype, so a
 mismatch raises ``ValueError`` on every rank instead of hanging or truncating.
@@ -21,10 +21,10 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from torus.integrations.keras.collectives.loop import HostAllreduce, allreduce_tensors
+from torus.integrations.keras.collectives.loop import broadcast_variables as _bcast_vars
 from torus.integrations.keras.horovod.basics import rank, size, torus_comm
 from torus.integrations.keras.horovod.compression import Compression, wire_format
-from torus.integrations.keras.loop import HostAllreduce, allreduce_tensors
-from torus.integrations.keras.loop import broadcast_variables as _bcast_vars
 from torus.ops import OPS, check_op_dtype
 
 # Horovod's reduction constants, spelled as torus op names. Adasum is not provided.
@@ -200,5 +200,5 @@ def allgather_object(obj, name=None):
 
 def broadcast_variables(variables, root_rank):
     """Assign rank ``root_rank``'s values to ``variables`` (Keras or tf variables; same shapes, dtypes and
-    order on every rank). Eager only (``torus.integrations.keras.loop.broadcast_variables``)."""
+    order on every rank). Eager only (``torus.integrations.keras.collectives.loop.broadcast_variables``)."""
     _bcast_vars(torus_comm(), list(variables), _root("hvd.broadcast_variables", root_rank))

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from torus import IN_PLACE, agreement, faults, kernels
 from torus.errors import MismatchError
-from torus.integrations.keras.window import pack
+from torus.integrations.keras.collectives.window import pack
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20  # the default cap (TORUS_BUCKET_BYTES); bench/overlap.py measures it

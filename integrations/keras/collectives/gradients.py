@@ -21,7 +21,7 @@ import functools
 import tensorflow as tf
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.sparse import reduce_gradients
+from torus.integrations.keras.collectives.sparse import reduce_gradients
 
 
 def reduce_first(optimizer, strategy) -> bool:

@@ -46,8 +46,8 @@ import tensorflow as tf
 
 from torus import faults
 from torus.errors import MismatchError
-from torus.integrations.keras.initial_state import SEED_SPREAD
-from torus.integrations.keras.loop import gather_records, stall_timeout
+from torus.integrations.keras.collectives.loop import gather_records, stall_timeout
+from torus.integrations.keras.fit.initial_state import SEED_SPREAD
 
 _UNSIZED = (tf.string, tf.resource, tf.variant)
 

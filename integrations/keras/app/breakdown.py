@@ -1,6 +1,6 @@
 """Where the train steps of a ``TORUS_TIMELINE`` trace went (trace.py's lanes), per rank, without TensorFlow:
 
-    python -m torus.integrations.keras.breakdown trace.json
+    python -m torus.integrations.keras.app.breakdown trace.json
 """
 from __future__ import annotations
 
@@ -59,12 +59,12 @@ def breakdown(trace: dict, fit: int | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    """``python -m torus.integrations.keras.breakdown FILE``: the step breakdown of a TORUS_TIMELINE trace."""
+    """``python -m torus.integrations.keras.app.breakdown FILE``: the step breakdown of a TORUS_TIMELINE trace."""
     import argparse
     import json
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m torus.integrations.keras.breakdown",
+    p = argparse.ArgumentParser(prog="python -m torus.integrations.keras.app.breakdown",
                                 description="Where the train steps of a TORUS_TIMELINE trace went, per rank.")
     p.add_argument("trace", metavar="FILE")
     p.add_argument("--fit", type=int, help="only the steps of this fit (0: the script's first fit)")

@@ -67,9 +67,9 @@ import numpy as np
 from mpi4py import MPI
 
 from torus import faults
+from torus.integrations.keras.collectives.loop import stall_timeout
 from torus.integrations.keras.compat import file_utils, io_utils
-from torus.integrations.keras.inputs import torus_strategy_of
-from torus.integrations.keras.loop import stall_timeout
+from torus.integrations.keras.fit.inputs import torus_strategy_of
 
 # keras.src.saving.saving_api's save_model / save_weights are rebound (compat.install): Model.save / save_weights
 # call them by these module attributes; keras.saving / keras.models re-export them and are rebound too.

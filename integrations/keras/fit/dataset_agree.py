@@ -30,7 +30,7 @@ import tensorflow as tf
 from torus import faults
 from torus.errors import MismatchError
 from torus.integrations.keras import compat
-from torus.integrations.keras.loop import stall_timeout
+from torus.integrations.keras.collectives.loop import stall_timeout
 
 NOT_A_DATASET = -1
 PER_RANK = -2
@@ -80,7 +80,7 @@ def fingerprint(dataset: tf.data.Dataset) -> tuple[int, bool]:
 
 
 def _record(strategy, value) -> tuple[int, bool]:
-    from torus.integrations.keras.inputs import is_per_rank
+    from torus.integrations.keras.fit.inputs import is_per_rank
 
     if not isinstance(value, tf.data.Dataset):
         return NOT_A_DATASET, False
@@ -122,7 +122,7 @@ def agree_datasets(strategy, method: str, arguments: dict) -> None:
                 f"TorusStrategy {method} on rank {rank}: the ranks passed different {name} datasets ({listed}). "
                 "An unmarked tf.data dataset is taken as the same global dataset on every rank and each batch is "
                 "split over the ranks; if each rank's dataset holds its own share, build it with "
-                "strategy.shard(dataset) (or mark it: torus.integrations.keras.inputs.per_rank(dataset)) and "
+                "strategy.shard(dataset) (or mark it: torus.integrations.keras.fit.inputs.per_rank(dataset)) and "
                 "batch it per rank; if it is meant to be global, build it the same way on every rank (same "
                 "files, same seed)")
         if strategy.is_chief and every[0, len(names) + k] and column[0] >= 0:

@@ -22,7 +22,7 @@ import time
 import keras
 
 from torus import timeline
-from torus.integrations.keras import fit_hook
+from torus.integrations.keras.fit import fit_hook
 
 LANES = ("step", "start", "wait", "comm")
 

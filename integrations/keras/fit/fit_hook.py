@@ -36,21 +36,21 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-STAGES = ("model", "inputs", "callbacks", "result")
+STAGES = ("model", "fit.inputs", "callbacks", "result")
 METHODS = ("fit", "evaluate", "predict")
 
 # (stage, module of torus.integrations.keras, function), in the order they run.
 PIPELINE = (
-    ("model", "saving", "count_start"),
-    ("model", "adopt", "adopt_model"),
-    ("inputs", "inputs", "prepare_inputs"),
-    ("callbacks", "inputs", "input_callbacks"),
-    ("callbacks", "files", "rank_aware_callbacks"),
-    ("callbacks", "quiet", "quiet_other_ranks"),
-    ("callbacks", "initial_state", "add_initial_state"),
-    ("callbacks", "trace", "add_step_timeline"),
-    ("result", "inputs", "gather_predictions"),
-    ("result", "saving", "count_end"),
+    ("model", "fit.saving", "count_start"),
+    ("model", "fit.adopt", "adopt_model"),
+    ("inputs", "fit.inputs", "prepare_inputs"),
+    ("callbacks", "fit.inputs", "input_callbacks"),
+    ("callbacks", "fit.files", "rank_aware_callbacks"),
+    ("callbacks", "fit.quiet", "quiet_other_ranks"),
+    ("callbacks", "fit.initial_state", "add_initial_state"),
+    ("callbacks", "collectives.trace", "add_step_timeline"),
+    ("result", "fit.inputs", "gather_predictions"),
+    ("result", "fit.saving", "count_end"),
 )
 
 _active = {"strategy": None, "local": 0}
@@ -133,7 +133,7 @@ def wrap(original: Callable, method: str) -> Callable:
         arguments = dict(bound.arguments)
         arguments.update(arguments.pop("kwargs", {}) if "kwargs" in signature.parameters else {})
         call = Call(strategy, method, arguments)
-        for stage in ("model", "inputs", "callbacks"):
+        for stage in ("model", "fit.inputs", "callbacks"):
             for fn in stages()[stage]:
                 fn(call)
         result = original(**call.arguments)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from torus.integrations.keras.inputs import per_rank
+from torus.integrations.keras.fit.inputs import per_rank
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".JPEG", ".JPG", ".PNG"}
 MEAN_RGB = (0.485, 0.456, 0.406)

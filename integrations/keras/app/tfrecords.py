@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torus.integrations.keras.data import IMAGE_SUFFIXES, DataError, class_names
+from torus.integrations.keras.app.data import IMAGE_SUFFIXES, DataError, class_names
 
 
 def _bytes(value: bytes):

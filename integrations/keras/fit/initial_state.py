@@ -22,7 +22,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from torus.integrations.keras import fit_hook
+from torus.integrations.keras.fit import fit_hook
 
 SEED_SPREAD = 0x9E3779B9  # 2^32 / golden ratio: rank offsets far apart from any seed Keras draws nearby
 

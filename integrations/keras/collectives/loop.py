@@ -36,8 +36,8 @@ from mpi4py import MPI
 
 from torus import IN_PLACE, faults, kernels
 from torus.errors import MismatchError
-from torus.integrations.keras.buckets import BUCKET_BYTES, Buckets, allreduce_bucketed
-from torus.integrations.keras.window import WindowBuffers
+from torus.integrations.keras.collectives.buckets import BUCKET_BYTES, Buckets, allreduce_bucketed
+from torus.integrations.keras.collectives.window import WindowBuffers
 from torus.ops import BFLOAT16, DTYPES
 from torus.runtime.progress import progress_for, threads_ok
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import warnings
 
-from torus.integrations.keras import compat, gradients
+from torus.integrations.keras import compat
+from torus.integrations.keras.collectives import gradients
 
 
 def _optimizers(optimizer) -> list:

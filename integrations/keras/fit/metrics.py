@@ -40,7 +40,7 @@ import functools
 import tensorflow as tf
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.loop import allreduce_tensors
+from torus.integrations.keras.collectives.loop import allreduce_tensors
 
 
 def _state_variables(model) -> list:

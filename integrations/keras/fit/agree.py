@@ -27,8 +27,8 @@ import tensorflow as tf
 
 from torus import faults
 from torus.errors import MismatchError
+from torus.integrations.keras.collectives.loop import stall_timeout
 from torus.integrations.keras.compat import array_data_adapter, data_adapter_utils
-from torus.integrations.keras.loop import stall_timeout
 
 SAMPLE_NBYTES = 1 << 20
 FIELDS = ("row count", "batch_size", "validation_split", "validation row count", "epochs", "initial_epoch",

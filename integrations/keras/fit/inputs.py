@@ -20,7 +20,7 @@ What each kind of input does (Keras turns every kind into a ``tf.data`` dataset 
   Every rank must produce the same batches (same seed, same files). Generators go through :class:`Replay`
   so that Keras' first-batch peek under a strategy loses none of them.
 - ``tf.data`` datasets marked as already per rank (``strategy.shard(dataset)`` or ``dataset.shard(N, rank)``
-  before batching, :func:`per_rank` on one built per rank, e.g. ``torus.integrations.keras.data``, and what
+  before batching, :func:`per_rank` on one built per rank, e.g. ``torus.integrations.keras.app.data``, and what
   ``strategy.distribute_datasets_from_function`` and ``strategy.experimental_distribute_dataset`` return): used
   as they are, each rank's batch is its share. Their step counts are compared across ranks when ``fit``
   starts (unknown cardinality: one counting pass over the dataset) and equalised to the smallest with a
@@ -53,8 +53,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from torus.integrations.keras import agree, compat, dataset_agree
+from torus.integrations.keras import compat
 from torus.integrations.keras.compat import array_data_adapter, array_slicing, data_adapter_utils
+from torus.integrations.keras.fit import agree, dataset_agree
 
 _MARK = "_torus_per_rank"
 _DEFAULT_BATCH = 32  # Keras' own default for arrays

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import keras
 
-from torus.integrations.keras.inputs import torus_strategy_of
+from torus.integrations.keras.fit.inputs import torus_strategy_of
 
 
 def is_builtin(callback) -> bool:

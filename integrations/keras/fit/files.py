@@ -20,9 +20,10 @@ import json
 
 import keras
 
-from torus.integrations.keras import compat, saving
+from torus.integrations.keras import compat
 from torus.integrations.keras.compat import file_utils
-from torus.integrations.keras.inputs import torus_strategy_of
+from torus.integrations.keras.fit import saving
+from torus.integrations.keras.fit.inputs import torus_strategy_of
 
 _MARK = "_torus_rank_aware"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from torus.integrations.keras.loop import allreduce_tensors
+from torus.integrations.keras.collectives.loop import allreduce_tensors
 
 
 def reduce_gradients(host, grads: list, op: str = "sum") -> list:
