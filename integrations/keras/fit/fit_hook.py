@@ -36,7 +36,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-STAGES = ("model", "fit.inputs", "callbacks", "result")
+STAGES = ("model", "inputs", "callbacks", "result")
 METHODS = ("fit", "evaluate", "predict")
 
 # (stage, module of torus.integrations.keras, function), in the order they run.
