@@ -133,7 +133,7 @@ def wrap(original: Callable, method: str) -> Callable:
         arguments = dict(bound.arguments)
         arguments.update(arguments.pop("kwargs", {}) if "kwargs" in signature.parameters else {})
         call = Call(strategy, method, arguments)
-        for stage in ("model", "fit.inputs", "callbacks"):
+        for stage in ("model", "inputs", "callbacks"):
             for fn in stages()[stage]:
                 fn(call)
         result = original(**call.arguments)
