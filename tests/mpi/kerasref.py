@@ -44,6 +44,39 @@ def small_model(strategy=None):
         return make()
 
 
+VOCAB, LENGTH = 40, 5
+
+
+class DensifyingModel(keras.Sequential):
+    """One process whose step makes every gradient dense before the optimizer (the reference for
+    ``sparse_as_dense=True``)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.trainable_variables)]
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def embedding_model(w0, cls=keras.Sequential):
+    """Embedding -> pooling -> Dense, Adam (which updates a sparse gradient row by row); weights ``w0`` if given."""
+    model = cls([keras.Input((LENGTH,), dtype="int32"), keras.layers.Embedding(VOCAB, 4),
+                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    if w0 is not None:
+        model.set_weights(w0)
+    model.compile(keras.optimizers.Adam(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    return model
+
+
+def token_data(seed, n):
+    """``n`` rows of ``LENGTH`` token ids (few distinct ones) and 3-class labels, the same on every rank."""
+    rng = np.random.default_rng(seed)  # few ids: many rows repeat within a batch and across ranks
+    return rng.integers(0, VOCAB // 4, (n, LENGTH)).astype(np.int32), rng.integers(0, 3, n)
+
+
 def initial_weights(model, seed: int):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(w.shape).astype(np.float32) * 0.5 for w in model.get_weights()]

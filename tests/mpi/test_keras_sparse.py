@@ -13,41 +13,16 @@ if MPI.COMM_WORLD.Get_size() not in (1, 2, 3):
     pytest.skip("Keras tests run at 1, 2 and 3 ranks only", allow_module_level=True)
 
 tf = pytest.importorskip("tensorflow")
-import keras  # noqa: E402
-from kerasref import B, Record, assert_steps_match, initial_weights  # noqa: E402
+from kerasref import B, DensifyingModel, Record, assert_steps_match, initial_weights, token_data  # noqa: E402
+from kerasref import embedding_model as build  # noqa: E402
 
 from torus.integrations.keras import TorusStrategy  # noqa: E402
 from torus.integrations.keras.fit import fit_hook  # noqa: E402
-
-VOCAB, LENGTH = 40, 5
 
 
 @pytest.fixture(scope="module")
 def strategy():
     return TorusStrategy()
-
-
-class DensifyingModel(keras.Sequential):
-    """One process whose step makes every gradient dense before the optimizer (the reference for
-    ``sparse_as_dense=True``)."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.trainable_variables)]
-        self.optimizer.apply(grads, self.trainable_variables)
-        return {"loss": loss}
-
-
-def build(w0, cls=keras.Sequential):
-    model = cls([keras.Input((LENGTH,), dtype="int32"), keras.layers.Embedding(VOCAB, 4),
-                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
-    if w0 is not None:
-        model.set_weights(w0)
-    model.compile(keras.optimizers.Adam(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False)
-    return model
 
 
 def fit(model, x, y):
@@ -56,14 +31,9 @@ def fit(model, x, y):
     return rec.steps
 
 
-def ids(seed, n):
-    rng = np.random.default_rng(seed)  # few ids: many rows repeat within a batch and across ranks
-    return rng.integers(0, VOCAB // 4, (n, LENGTH)).astype(np.int32), rng.integers(0, 3, n)
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_sparse_gradients_train_as_one_process(world, strategy, overlap):
-    x, y = ids(31, 4 * B)
+    x, y = token_data(31, 4 * B)
     w0 = initial_weights(build(None), seed=32)
     strategy.host.overlap = overlap
     try:
@@ -78,7 +48,7 @@ def test_sparse_gradients_train_as_one_process(world, strategy, overlap):
 
 
 def test_sparse_as_dense_trains_as_one_process_with_dense_gradients(world, strategy):
-    x, y = ids(33, 4 * B)
+    x, y = token_data(33, 4 * B)
     w0 = initial_weights(build(None), seed=34)
     strategy.host.sparse_as_dense = True
     try:

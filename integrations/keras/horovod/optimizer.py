@@ -11,16 +11,17 @@ import keras
 import tensorflow as tf
 
 from torus.integrations.keras import compat
+from torus.integrations.keras.collectives.sparse import reduce_gradients
 from torus.integrations.keras.horovod.basics import rank
-from torus.integrations.keras.horovod.collectives import Average, Sum, fused_allreduce, host_allreduce
+from torus.integrations.keras.horovod.collectives import Average, Sum, host_allreduce
 from torus.integrations.keras.horovod.compression import Compression
 
 
 class _Reducer:
     """What ``apply`` needs: the host all-reduce, the op and its scaling, the local accumulation state."""
 
-    def __init__(self, host, op, predivide, passes, average_aggregated):
-        self.host, self.passes = host, passes
+    def __init__(self, host, op, predivide, passes, average_aggregated, sparse_as_dense=False):
+        self.host, self.passes, self.sparse_as_dense = host, passes, sparse_as_dense
         self.op = "sum" if predivide != 1.0 else op
         self.pre = 1.0 / predivide
         self.post = predivide / host.torus_comm.size if predivide != 1.0 else 1.0
@@ -29,14 +30,23 @@ class _Reducer:
         self.counter = None
 
     def reduce(self, grads):
-        """All-reduce the non-None entries of ``grads`` in one fused call; None stays None."""
+        """The non-None entries of ``grads`` over ranks: dense ones all-reduced in one fused call, IndexedSlices
+        all-gathered as IndexedSlices (densified with the dense ones where ``sparse_as_dense``); None stays None."""
         present = [i for i, g in enumerate(grads) if g is not None]
-        chosen = [grads[i] if self.pre == 1.0 else grads[i] * self.pre for i in present]
-        reduced = fused_allreduce(self.host, chosen, self.op)
+        chosen = [_scaled(grads[i], self.pre) for i in present]
+        reduced = reduce_gradients(self.host, chosen, self.op, self.sparse_as_dense)
         out = list(grads)
         for i, r in zip(present, reduced):
-            out[i] = r if self.post == 1.0 else r * self.post
+            out[i] = _scaled(r, self.post)
         return out
+
+
+def _scaled(gradient, factor: float):
+    if factor == 1.0:
+        return gradient
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return gradient * factor
 
 
 class _DistributedMixin:
@@ -120,9 +130,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         way round: see ``BroadcastGlobalVariablesCallback``).
     name : str, optional
         The optimizer's name (Keras' ``name``); default: the wrapped one's.
-    device_dense, device_sparse, sparse_as_dense, num_groups, groups
-        Accepted and ignored: sparse gradients are always densified and all gradients always travel in one
-        fused buffer per dtype (the result does not depend on grouping).
+    sparse_as_dense : bool
+        False (Horovod's default): a sparse gradient (``tf.IndexedSlices``, e.g. ``Embedding``'s) is all-gathered
+        as IndexedSlices (every rank's rows and indices, in rank order; ``op=Average`` divides the rows by
+        ``size()``), so the optimizer sees what one process sees on the global batch. True: made dense and
+        all-reduced with the others (faster where the batch touches most of the rows). With
+        ``backward_passes_per_step > 1`` sparse gradients are accumulated, hence all-reduced, dense.
+    device_dense, device_sparse, num_groups, groups
+        Accepted and ignored: dense gradients always travel in one fused buffer per dtype (the result does not
+        depend on grouping).
     compression : hvd.Compression.none, .fp16 or .bf16
         Wire format of float32 gradients (see ``hvd.Compression``).
     gradient_predivide_factor : float
@@ -162,7 +178,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         config["name"] = name
     wrapped = _distributed_class(type(optimizer)).from_config(config)
     wrapped._torus = _Reducer(host, op, float(gradient_predivide_factor), int(backward_passes_per_step),
-                              bool(average_aggregated_gradients))
+                              bool(average_aggregated_gradients), bool(sparse_as_dense))
     return wrapped
 
 
