@@ -121,6 +121,7 @@ def test_accessors_read_the_real_attributes(tmp_path):
         optimizer = keras.optimizers.SGD(0.1)
     outside_optimizer = keras.optimizers.Adam()
     assert compat.model_strategy(inside) is strategy
+    assert strategy.extended._device  # an INHERITED instance attribute, read by strategy.py
     assert compat.optimizer_strategy(optimizer) is strategy
     assert compat.optimizer_strategy(outside_optimizer) is compat.default_strategy()
     assert "d" in [layer.name for layer in compat.flatten_layers(inside)]

@@ -63,10 +63,11 @@ REQUIRED: tuple[tuple[object, tuple[str, ...]], ...] = (
     ("file_utils", ("exists", "makedirs", "copy", "is_remote_path")),
     ("io_utils", ("ask_to_proceed_with_overwrite",)),
     ("saving_api", ("save_model", "save_weights")),
-    ("one_device_strategy", ("OneDeviceExtended",)),
+    ("one_device_strategy", ("OneDeviceExtended", "_OneDeviceReplicaContext")),
     ("one_device_strategy.OneDeviceExtended", ("_create_variable", "_reduce_to", "_batch_reduce_to",
                                                "_distribute_datasets_from_function",
-                                               "_experimental_distribute_dataset", "_container_strategy")),
+                                               "_experimental_distribute_dataset", "_container_strategy",
+                                               "_call_for_each_replica")),
     ("distribute_lib", ("_get_default_strategy",)),
     (keras.callbacks.ModelCheckpoint, ("_save_model",)),
     (keras.callbacks.BackupAndRestore, ("_save_model",)),
@@ -81,7 +82,8 @@ REQUIRED: tuple[tuple[object, tuple[str, ...]], ...] = (
 # checked on the class; tests/test_keras_compat.py checks them on real objects.
 INHERITED = frozenset({
     "_container_strategy", "_create_variable", "_reduce_to", "_batch_reduce_to", "_num_replicas_in_sync",
-    "_distribute_datasets_from_function", "_experimental_distribute_dataset",  # OneDeviceExtended (strategy.py)
+    "_distribute_datasets_from_function", "_experimental_distribute_dataset", "_call_for_each_replica",
+    "_device",  # OneDeviceExtended (strategy.py)
     "_save_model",  # ModelCheckpoint / BackupAndRestore (files.py)
     "_get_variable_index", "_iterations", "_trainable_variables",  # keras.optimizers.Optimizer (lars, horovod)
 })
@@ -182,6 +184,7 @@ TensorFlowTrainer = _modules["trainer"].TensorFlowTrainer
 Trainer = _modules["base_trainer"].Trainer
 CompileLoss = _modules["compile_utils"].CompileLoss
 OneDeviceExtended = _modules["one_device_strategy"].OneDeviceExtended
+OneDeviceReplicaContext = _modules["one_device_strategy"]._OneDeviceReplicaContext
 array_data_adapter = _modules["array_data_adapter"]
 array_slicing = _modules["array_slicing"]
 data_adapter_utils = _modules["data_adapter_utils"]

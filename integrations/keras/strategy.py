@@ -41,6 +41,14 @@ def _local(value):
     return value
 
 
+class _RankReplicaContext(compat.OneDeviceReplicaContext):
+    """The one-device replica context, its ``replica_id_in_sync_group`` this rank (as under the multi-worker
+    strategy, where replica ids run over the workers)."""
+
+    def __init__(self, strategy, rank: int):
+        tf.distribute.ReplicaContext.__init__(self, strategy, replica_id_in_sync_group=rank)
+
+
 class _TorusExtended(compat.OneDeviceExtended):
     def __init__(self, container, host: HostAllreduce, device: str):
         super().__init__(container, device)
@@ -72,6 +80,10 @@ class _TorusExtended(compat.OneDeviceExtended):
             return values
         op = "avg" if reduce_op == tf.distribute.ReduceOp.MEAN else "sum"
         return reduce_gradients(self._host, values, op)  # IndexedSlices stay sparse (sparse.py)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        with tf.device(self._device), _RankReplicaContext(self._container_strategy(), self._host.torus_comm.rank):
+            return fn(*args, **kwargs)
 
     def _create_variable(self, next_creator, **kwargs):
         # Every variable created under the scope starts from rank 0's initial value (creation.py).
@@ -160,8 +172,8 @@ class TorusStrategy(tf.distribute.Strategy):
       every rank, one created on some ranks only raises ``TimeoutError`` there after the stall timeout. Keras'
       seed generator states take rank 0's plus ``rank * SEED_SPREAD`` (each rank its own random stream, as in
       ``fit``). Variables created outside the scope keep each rank's values (``strategy.broadcast_variables``).
-    - Not done: ``tf.distribute.get_replica_context().replica_id_in_sync_group`` is 0 on every rank (the
-      one-device strategy's replica context); use ``strategy.rank``.
+    - ``tf.distribute.get_replica_context().replica_id_in_sync_group`` inside ``strategy.run`` (and Keras'
+      train step) is this rank.
 
     ``strategy.callbacks()`` returns ``[]`` (kept for existing code). ``jit_compile=True`` is refused at the
     start of ``fit`` / ``evaluate`` (XLA cannot compile the ``tf.numpy_function``); Keras' default ``"auto"``

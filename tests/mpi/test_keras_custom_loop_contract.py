@@ -4,6 +4,8 @@
   replica per rank, so TF's tutorial ``dataset_fn`` (``shard(num_input_pipelines, input_pipeline_id)``,
   ``get_per_replica_batch_size``) gives each rank its own rows, and the dataset is taken as per rank (a custom
   loop and ``fit`` train on it as it is).
+- ``replica_id_in_sync_group`` in ``strategy.run`` is the rank (the multi-worker strategy's replica ids run
+  over the workers), eagerly and traced; the replica context's ``all_reduce`` still sums over every rank.
 - variables created under ``strategy.scope()`` start from rank 0's initial values (creation.py), so an unseeded
   ``strategy.run`` loop starts, and stays, equal on every rank.
 
@@ -119,6 +121,20 @@ def test_input_context_is_one_pipeline_and_replica_per_rank(world, strategy):
     assert len(got) == STEPS
     for k, g in enumerate(got):  # rows r, r + n, r + 2n, ... of the data: this rank's shard
         np.testing.assert_array_equal(g, x[r::n][k * (G // n):(k + 1) * (G // n)], err_msg=f"batch {k}")
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_replica_id_in_sync_group_is_the_rank(world, strategy, traced):
+    def replica_fn():
+        ctx = tf.distribute.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        return rid, ctx.all_reduce("sum", tf.cast(rid, tf.float32) + 1.0), ctx.num_replicas_in_sync
+
+    run = tf.function(lambda: strategy.run(replica_fn)) if traced else (lambda: strategy.run(replica_fn))
+    rid, total, replicas = run()
+    n = world.size
+    assert int(rid) == world.rank and int(replicas) == n
+    assert float(total) == n * (n + 1) / 2  # 1 + 2 + ... + n: every rank's id, summed once
 
 
 @pytest.mark.parametrize("global_batch_size", [None, G], ids=["replica_context", "explicit"])
