@@ -85,8 +85,9 @@ def _peer(kx: int, ky: int, cx: int, cy: int, step: tuple) -> tuple[int, int]:
 def _order(cx: int, cy: int) -> tuple:
     """``(pos, lo, by_pos)`` on a ``cx x cy`` core, core ranks numbered ``kx + cx * ky``: ``pos[v]``, an
     order of the ranks in which every group is contiguous; ``lo[s][v]``, the first position of ``G(v, s)``
-    (which holds ``2**(L - s)`` ranks); ``by_pos``, the ranks in that order. Built bottom-up: each group's label is its least member; at step ``s`` the
-    half whose label is larger goes second (bit ``L-1-s`` of the position)."""
+    (which holds ``2**(L - s)`` ranks); ``by_pos``, the ranks in that order. Built bottom-up: each group's
+    label is its least member; at step ``s`` the half whose label is larger goes second (bit ``L-1-s`` of
+    the position)."""
     steps = _steps(cx, cy)
     n = cx * cy
     v = np.arange(n)
@@ -135,10 +136,12 @@ class _Grid:
         (self.cx, self.ex), (self.cy, self.ey) = _core(X), _core(Y)
         self.kx, self.ky = _core_index(x, self.ex), _core_index(y, self.ey)
         self.steps = _steps(self.cx, self.cy)
+        # this rank's index on the core (kx + cx * ky), or -1 when it is folded into another
+        self.me = -1 if self.kx is None or self.ky is None else self.kx + self.cx * self.ky
 
     @property
     def core(self) -> bool:
-        return self.kx is not None and self.ky is not None
+        return self.me >= 0
 
     def world_of(self, kx: int, ky: int) -> tuple[int, int]:
         return _coord(kx, self.ex), _coord(ky, self.ey)
@@ -153,7 +156,7 @@ class _Grid:
     def core_step(self, s: int):
         """(comm, peer index in it, the peer's core coordinates) of this core rank's Swing step ``s``."""
         axis = self.steps[s][0]
-        qx, qy = _peer(self.kx, self.ky, self.cx, self.cy, self.steps[s])
+        qx, qy = _peer(self.me % self.cx, self.me // self.cx, self.cx, self.cy, self.steps[s])
         wx, wy = self.world_of(qx, qy)
         return self.comms[axis], (wx, wy)[axis], (qx, qy)
 
@@ -201,7 +204,7 @@ def _swing_rs(g: _Grid, group, final: bool) -> list:
     L = len(g.steps)
     if not g.core:
         return [Step()] * L
-    me = g.kx + g.cx * g.ky
+    me = g.me
     if L == 0:
         return [Step(scale=Scale(o, c)) for o, c in group(me, 0)] if final else []
     out = []
@@ -219,7 +222,7 @@ def _swing_ag(g: _Grid, group) -> list:
     L = len(g.steps)
     if not g.core:
         return [Step()] * L
-    me = g.kx + g.cx * g.ky
+    me = g.me
     out = []
     for s in range(L - 1, -1, -1):
         comm, peer, (qx, qy) = g.core_step(s)
@@ -301,3 +304,10 @@ def allgather(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", 
     own, folded = _own_and_row(g, counts, displs)
     return (g.fold_in(own, folded, reduce=False) + _swing_ag(g, _block_groups(g, counts, displs))
             + g.fold_out(lambda a, b: _without(whole, own(a, b)), lambda a, b: _without(whole, folded(a, b))))
+
+
+def folded(X: int, Y: int) -> tuple:
+    """The world ranks of an ``X x Y`` grid that fold into another (not on the power-of-two core)."""
+    g = _grid(0, 0, X, Y, "row", "col")
+    return tuple(x + g.X * y for y in range(g.Y) for x in range(g.X)
+                 if _core_index(x, g.ex) is None or _core_index(y, g.ey) is None)
