@@ -1,6 +1,7 @@
 """Swing all-reduce, reduce-scatter and all-gather, bandwidth-optimal form (De Sensi et al., NSDI'24, "Swing:
-Short-cutting Rings for Higher Bandwidth Allreduce", section 3 (the peers, ``rho``; bandwidth-optimal
-reduce-scatter + all-gather) and section 4 (multidimensional tori: the dimensions visited in turn)).
+Short-cutting Rings for Higher Bandwidth Allreduce", arXiv:2401.09356: the peers ``pi(r, s)`` and ``rho`` of the
+1-D power-of-two case, its bandwidth-optimal reduce-scatter + all-gather, and the multidimensional form that
+visits the dimensions in turn).
 
 Vocabulary. On a line of ``n = 2**L`` ranks, step ``s`` pairs rank ``r`` with ``r + rho(s)`` when ``r`` is
 even and ``r - rho(s)`` when odd (mod ``n``), ``rho(s) = sum_{i=0..s} (-2)**i`` = 1, -1, 3, -5, 11, ...:
@@ -18,18 +19,21 @@ group's blocks may be several runs of the buffer: one message per run. The all-r
 layout: chunk ``i`` of ``chunks(count, n)`` belongs to the rank at position ``i`` of an order in which every
 group is contiguous (``_order``), so each of its steps is one message.
 
-Any rank count (the paper's section 3.3 handles it inside the schedule; this module folds instead, which is
-simpler and exactly correct): along an axis of ``n = 2**k + e`` ranks (``0 < e < 2**k``), each odd
-coordinate ``c < 2e`` first hands its data to ``c - 1`` (one step: the whole buffer for reduce-scatter and
-all-reduce, its own block for all-gather), the ``2**k`` remaining coordinates run Swing, and ``c - 1`` hands
-the result back (the whole buffer, or the folded rank's blocks). Cost against a power of two: two more steps
-per folded axis, and the ``c - 1`` ranks move up to the whole buffer ``M`` twice more (all-reduce: about
-``2M + 2M`` per folded rank pair instead of ``2(n-1)/n M``); the extra ranks idle in between. On a grid the
-row folds first, then the column among the row's remaining ranks.
+Any rank count (the paper handles it inside the schedule; this module folds instead, which is simpler and
+exactly correct): along an axis of ``n = 2**k + e`` ranks (``0 < e < 2**k``), each odd coordinate ``c < 2e``
+first hands its data to ``c - 1`` (one step: the whole buffer for reduce-scatter and all-reduce, its own block
+for all-gather), the ``2**k`` remaining coordinates run Swing, and ``c - 1`` hands the result back (the whole
+buffer, or the folded rank's blocks). On a grid the row folds first, then the column among the row's remaining
+ranks. Cost against a power of two: two more steps per folded axis, on the critical path (all-reduce:
+``α + (β+γ)M`` in and ``α + βM`` out, sim/closed_form.py); a partner ``c - 1`` receives and sends the whole
+``M`` once more each on top of the core's ``2(2**k - 1)/2**k M``, and the folded ranks idle in between.
 
-Every element is reduced once per step on one rank, so results are bitwise identical on every rank; regions
-of a step never overlap its receives (plan.py). The comm names are "world" (a line: a grid with a side of 1)
-or "row"/"col"; peers are indices in those communicators (``x`` in the row, ``y`` in the column).
+Plans are pure and dtype-free: regions in elements of the working buffer, so one plan serves every dtype and
+op (the executor's kernels) in place and out of place (compile.py); any count, 0 and fewer elements than ranks
+included (empty regions are no message). Each element is reduced on one rank (its core owner, or a fold
+partner) and copied to the others, so every rank's result is bitwise identical; no step receives into a
+region it sends (plan.py). The comm names are "world" (a line: a grid with a side of 1) or "row"/"col";
+peers are indices in those communicators (``x`` in the row, ``y`` in the column). Nothing here raises.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from torus.schedules.plan import Recv, Scale, Send, Step
 
 
 def rho(s: int) -> int:
-    """``sum_{i=0..s} (-2)**i``: Swing's peer distance at step ``s`` (paper, section 3.1)."""
+    """``sum_{i=0..s} (-2)**i``: Swing's peer distance at step ``s`` (the paper's 1-D case)."""
     return (1 - (-2) ** (s + 1)) // 3
 
 
