@@ -64,20 +64,36 @@ def test_grid_visits_the_axes_in_turn():
 
 
 @pytest.mark.parametrize("X,Y,folds", [(3, 1, 1), (6, 1, 1), (7, 1, 1), (3, 2, 1), (2, 3, 1), (3, 5, 2),
-                                       (12, 1, 1)])
-def test_folded_step_counts_and_idle_extras(X, Y, folds):
-    """A folded axis adds a step before Swing and one after; the folded ranks only send and receive there."""
-    g = swing._grid(0, 0, X, Y, "row", "col")
-    L = len(g.steps)
+                                       (12, 1, 1), (4, 6, 1), (6, 4, 1)])
+def test_folded_step_counts(X, Y, folds):
+    """A folded axis adds a step in the reduce-scatter and one in the all-gather."""
+    L = len(swing._grid(0, 0, X, Y, "row", "col").steps)
     for r in range(X * Y):
         x, y = r % X, r // X
-        for name, plan, core_steps in (("allreduce", swing.allreduce(x, y, X, Y, 40), 2 * L),
-                                       ("reduce_scatter", swing.reduce_scatter(x, y, X, Y, [3] * X * Y,
-                                                                                list(range(0, 3 * X * Y, 3))),
-                                        L)):
-            assert len(plan) == core_steps + 2 * folds, (name, r)
-            if r in swing.folded(X, Y):
-                assert all(not st.sends and not st.recvs for st in plan[folds:folds + core_steps]), (name, r)
+        assert len(swing.allreduce(x, y, X, Y, 40)) == 2 * L + 2 * folds
+        blocks = swing.reduce_scatter(x, y, X, Y, [3] * X * Y, list(range(0, 3 * X * Y, 3)))
+        assert len(blocks) == L + 2 * folds
+
+
+@pytest.mark.parametrize("X,Y,moved", [(6, 1, 1.0), (5, 1, 1.0), (4, 6, 0.5), (6, 4, 0.5), (2, 3, 0.5),
+                                       (3, 2, 0.5)])
+def test_one_folded_axis_folds_after_the_other_axis_first_step(X, Y, moved):
+    """On a line the folded ranks hand in the whole buffer; on a grid with one folded axis the axes run
+    from the other one, so the fold comes after one halving; the folded ranks take their shadow's steps
+    before the fold (the same communicator, peer index and regions) and idle until they unfold."""
+    count = 8 * X * Y
+    for r in swing.folded(X, Y):
+        g = swing._grid(r % X, r // X, X, Y, "row", "col")
+        plan = swing.allreduce(r % X, r // X, X, Y, count)
+        shadow_rank = next(w for w in range(X * Y) if w not in swing.folded(X, Y)
+                           and swing._grid(w % X, w // X, X, Y, "row", "col").me == g.me)
+        shadow = swing.allreduce(shadow_rank % X, shadow_rank // X, X, Y, count)
+        fold = plan[g.until]
+        assert not fold.recvs and sum(m.count for m in fold.sends) == moved * count
+        assert plan[:g.until] == shadow[:g.until]
+        busy = [i for i, st in enumerate(plan) if st.sends or st.recvs]
+        assert len(busy) == 2 * g.until + 2
+        assert plan[len(plan) - g.until:] == shadow[len(plan) - g.until:]
 
 
 def test_build_runs_swing_on_the_topologys_grid():

@@ -69,13 +69,12 @@ def _coord(k: int, e: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _steps(cx: int, cy: int) -> tuple:
-    """The axis (0: row, 1: column) and axis step of every Swing step on a ``cx x cy`` core, alternating."""
-    lx, ly = cx.bit_length() - 1, cy.bit_length() - 1
-    out = []
-    for k in range(max(lx, ly)):
-        out += [(0, k)] * (k < lx) + [(1, k)] * (k < ly)
-    return tuple(out)
+def _steps(cx: int, cy: int, first: int = 0) -> tuple:
+    """The axis (0: row, 1: column) and axis step of every Swing step on a ``cx x cy`` core, the axes in turn
+    from axis ``first``."""
+    logs = (cx.bit_length() - 1, cy.bit_length() - 1)
+    axes = (first, 1 - first)
+    return tuple((a, k) for k in range(max(logs)) for a in axes if k < logs[a])
 
 
 def _peer(kx: int, ky: int, cx: int, cy: int, step: tuple) -> tuple[int, int]:
@@ -86,13 +85,13 @@ def _peer(kx: int, ky: int, cx: int, cy: int, step: tuple) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=16)
-def _order(cx: int, cy: int) -> tuple:
+def _order(cx: int, cy: int, first: int = 0) -> tuple:
     """``(pos, lo, by_pos)`` on a ``cx x cy`` core, core ranks numbered ``kx + cx * ky``: ``pos[v]``, an
     order of the ranks in which every group is contiguous; ``lo[s][v]``, the first position of ``G(v, s)``
     (which holds ``2**(L - s)`` ranks); ``by_pos``, the ranks in that order. Built bottom-up: each group's
     label is its least member; at step ``s`` the half whose label is larger goes second (bit ``L-1-s`` of
     the position)."""
-    steps = _steps(cx, cy)
+    steps = _steps(cx, cy, first)
     n = cx * cy
     v = np.arange(n)
     peer = [np.array([_peer(r % cx, r // cx, cx, cy, st)[0] + cx * _peer(r % cx, r // cx, cx, cy, st)[1]
@@ -121,31 +120,47 @@ def _runs(regions) -> tuple:
     return tuple(out)
 
 
-def _without(whole: tuple, regions) -> tuple:
-    """``whole`` (offset, count) minus ``regions``, as runs."""
-    out, at, end = [], whole[0], whole[0] + whole[1]
+def _minus(runs, regions) -> tuple:
+    """The parts of ``runs`` outside every one of ``regions``, as runs."""
+    out = list(_runs(runs))
     for o, c in _runs(regions):
-        out.append((at, o - at))
-        at = o + c
-    out.append((at, end - at))
+        out = [piece for a, n in out for piece in ((a, min(n, o - a)), (max(a, o + c), a + n - max(a, o + c)))
+               if piece[1] > 0]
     return _runs(out)
 
 
 class _Grid:
     """One rank's place on an ``X x Y`` grid (a line: ``Y == 1`` on "world") and its fold onto the
-    ``cx x cy`` core. Coordinates are ``(x, y)``; world rank ``x + X * y``."""
+    ``cx x cy`` core. Coordinates are ``(x, y)``; world rank ``x + X * y``.
+
+    Every rank takes the core steps of its *shadow* ``me`` (the core rank it folds into, or itself) until it
+    folds: an axis folds just before its first step (``fold_at``), when the data has already halved once per
+    step before it, and the axes run in turn from an unfolded one where there is one, so a grid with one
+    folded axis folds half the buffer. Peers are indices in the row or column communicator, so a folded rank
+    taking its shadow's step talks to the same coordinate of its own row or column, which folds alike."""
 
     def __init__(self, x: int, y: int, X: int, Y: int, comms: tuple):
         self.x, self.y, self.X, self.Y, self.comms = x, y, X, Y, comms
         (self.cx, self.ex), (self.cy, self.ey) = _core(X), _core(Y)
-        self.kx, self.ky = _core_index(x, self.ex), _core_index(y, self.ey)
-        self.steps = _steps(self.cx, self.cy)
-        # this rank's index on the core (kx + cx * ky), or -1 when it is folded into another
-        self.me = -1 if self.kx is None or self.ky is None else self.kx + self.cx * self.ky
+        self.first = 1 if self.ex and not self.ey and self.cy > 1 else 0
+        self.steps = _steps(self.cx, self.cy, self.first)
+        self.fold_at = {a: next(i for i, st in enumerate(self.steps) if st[0] == a)
+                        for a, e in ((0, self.ex), (1, self.ey)) if e}
+        kx, ky = _core_index(x, self.ex), _core_index(y, self.ey)
+        self.extra_on = tuple(a for a, k in ((0, kx), (1, ky)) if k is None)
+        sx = kx if kx is not None else _core_index(x - 1, self.ex)
+        sy = ky if ky is not None else _core_index(y - 1, self.ey)
+        assert sx is not None and sy is not None
+        self.me = sx + self.cx * sy
+        # the core steps this rank takes: those before its first fold
+        self.until = min((self.fold_at[a] for a in self.extra_on), default=len(self.steps))
 
     @property
     def core(self) -> bool:
-        return self.me >= 0
+        return not self.extra_on
+
+    def order(self) -> tuple:
+        return _order(self.cx, self.cy, self.first)
 
     def world_of(self, kx: int, ky: int) -> tuple[int, int]:
         return _coord(kx, self.ex), _coord(ky, self.ey)
@@ -158,20 +173,36 @@ class _Grid:
         return [a + self.X * b for b in ys for a in xs]
 
     def core_step(self, s: int):
-        """(comm, peer index in it, the peer's core coordinates) of this core rank's Swing step ``s``."""
+        """(comm, peer index in it, the peer's core rank) of the shadow's Swing step ``s``."""
         axis = self.steps[s][0]
         qx, qy = _peer(self.me % self.cx, self.me // self.cx, self.cx, self.cy, self.steps[s])
         wx, wy = self.world_of(qx, qy)
-        return self.comms[axis], (wx, wy)[axis], (qx, qy)
+        return self.comms[axis], (wx, wy)[axis], qx + self.cx * qy
+
+    def late_fold(self, axis: int, regions, inward: bool) -> Step:
+        """The fold of ``axis`` at its ``fold_at`` step: inward (reduce-scatter) its folded ranks send their
+        shadow's current ``regions`` to ``c - 1``, which reduces them; outward (all-gather) ``c - 1`` sends
+        ``regions(x, y)`` (what folded rank ``(x, y)`` lacks) and the folded rank copies them. Ranks folded
+        on the other axis before this point, and every other rank, idle."""
+        j = self.fold_at[axis]
+        if any(self.fold_at[b] < j for b in self.extra_on if b != axis):
+            return Step()
+        c, e = (self.x, self.ex) if axis == 0 else (self.y, self.ey)
+        if axis in self.extra_on:
+            return _one_way(self.comms[axis], c - 1, regions(self.x, self.y), send=inward, reduce=inward)
+        if c < 2 * e:
+            other = (self.x + 1, self.y) if axis == 0 else (self.x, self.y + 1)
+            return _one_way(self.comms[axis], c + 1, regions(*other), send=not inward, reduce=inward)
+        return Step()
 
     def fold_in(self, regions_x, regions_y, reduce: bool) -> list:
-        """The fold steps before Swing: the row's folded ranks send ``regions_x(x, y)`` (what world rank
-        ``(x, y)`` hands on) to ``x - 1``, then the column's send ``regions_y(x, y)`` to ``y - 1``; the
-        receivers reduce them (``reduce``) or copy them."""
+        """Folds before all else (an all-gather's blocks): the row's folded ranks send ``regions_x(x, y)``
+        (what world rank ``(x, y)`` hands on) to ``x - 1``, then the column's send ``regions_y(x, y)`` to
+        ``y - 1``; the receivers reduce them (``reduce``) or copy them."""
         return self._fold(regions_x, regions_y, False, reduce)
 
     def fold_out(self, regions_x, regions_y) -> list:
-        """The steps after Swing that hand results back (copied): column first, then row
+        """Folds after all else (a reduce-scatter's blocks), copied: column first, then row
         (``regions_*(x, y)``: what the folded world rank ``(x, y)`` receives)."""
         return self._fold(regions_x, regions_y, True, False)
 
@@ -180,16 +211,16 @@ class _Grid:
         steps = []
         if self.ex:  # the row: (x odd < 2e) <-> (x - 1)
             st = Step()
-            if self.kx is None:
+            if 0 in self.extra_on:
                 st = _one_way(self.comms[0], x - 1, regions_x(x, y), send=not out, reduce=reduce)
             elif x < 2 * self.ex:
                 st = _one_way(self.comms[0], x + 1, regions_x(x + 1, y), send=out, reduce=reduce)
             steps.append(st)
         if self.ey:  # the column, among the row's core coordinates
             st = Step()
-            if self.kx is not None and self.ky is None:
+            if self.extra_on == (1,):
                 st = _one_way(self.comms[1], y - 1, regions_y(x, y), send=not out, reduce=reduce)
-            elif self.kx is not None and y < 2 * self.ey:
+            elif not self.extra_on and y < 2 * self.ey:
                 st = _one_way(self.comms[1], y + 1, regions_y(x, y + 1), send=out, reduce=reduce)
             steps.append(st)
         return steps[::-1] if out else steps
@@ -203,36 +234,40 @@ def _one_way(comm: str, peer: int, regions, send: bool, reduce: bool) -> Step:
 
 
 def _swing_rs(g: _Grid, group, final: bool) -> list:
-    """Swing reduce-scatter among the core ranks; ``group(v, s)``: the regions ``G(v, s)``'s core ranks end
-    owning (reduced over every rank; ``final``: the avg scale fused into it), as runs."""
+    """Swing reduce-scatter on the core, each axis folding in at its ``fold_at`` step; ``group(v, s)``: the
+    regions ``G(v, s)``'s core ranks end owning (reduced over every rank; ``final``: the avg scale fused into
+    it), as runs."""
     L = len(g.steps)
-    if not g.core:
-        return [Step()] * L
-    me = g.me
     if L == 0:
-        return [Step(scale=Scale(o, c)) for o, c in group(me, 0)] if final else []
+        return [Step(scale=Scale(o, c)) for o, c in group(g.me, 0)] if final else []
     out = []
     for s in range(L):
-        comm, peer, (qx, qy) = g.core_step(s)
-        out.append(Step(sends=tuple(Send(comm, peer, o, c) for o, c in group(qx + g.cx * qy, s + 1)),
+        out += [g.late_fold(a, lambda x, y: group(g.me, s), inward=True) for a, j in g.fold_at.items() if j == s]
+        if s >= g.until:
+            out.append(Step())
+            continue
+        comm, peer, q = g.core_step(s)
+        out.append(Step(sends=tuple(Send(comm, peer, o, c) for o, c in group(q, s + 1)),
                         recvs=tuple(Recv(comm, peer, o, c, reduce=True, final=final and s == L - 1)
-                                    for o, c in group(me, s + 1))))
+                                    for o, c in group(g.me, s + 1))))
     return out
 
 
-def _swing_ag(g: _Grid, group) -> list:
-    """Swing all-gather among the core ranks (the reduce-scatter's steps in reverse order, copying), given
-    that every core rank holds its own regions (``group``: as for ``_swing_rs``)."""
+def _swing_ag(g: _Grid, group, held) -> list:
+    """Swing all-gather on the core (the reduce-scatter's steps in reverse order, copying), each axis
+    unfolding after its ``fold_at`` step, given that every core rank holds its own regions (``group``: as
+    for ``_swing_rs``); ``held(x, y)``: what folded rank ``(x, y)`` holds already."""
     L = len(g.steps)
-    if not g.core:
-        return [Step()] * L
-    me = g.me
     out = []
     for s in range(L - 1, -1, -1):
-        comm, peer, (qx, qy) = g.core_step(s)
-        out.append(Step(sends=tuple(Send(comm, peer, o, c) for o, c in group(me, s + 1)),
-                        recvs=tuple(Recv(comm, peer, o, c, reduce=False)
-                                    for o, c in group(qx + g.cx * qy, s + 1))))
+        if s < g.until:
+            comm, peer, q = g.core_step(s)
+            out.append(Step(sends=tuple(Send(comm, peer, o, c) for o, c in group(g.me, s + 1)),
+                            recvs=tuple(Recv(comm, peer, o, c, reduce=False) for o, c in group(q, s + 1))))
+        else:
+            out.append(Step())
+        out += [g.late_fold(a, lambda x, y: _minus(group(g.me, s), held(x, y)), inward=False)
+                for a, j in g.fold_at.items() if j == s]
     return out
 
 
@@ -245,7 +280,7 @@ def _grid(x: int, y: int, X: int, Y: int, row: str, col: str) -> _Grid:
 def _chunk_groups(g: _Grid, count: int):
     """group(v, s) of the all-reduce: chunk ``i`` on the core rank at position ``i``, so ``G(v, s)`` is the
     one run of chunks from its first position."""
-    pos, lo, _ = _order(g.cx, g.cy)
+    pos, lo, _ = g.order()
     ds = displacements(chunks(count, g.cx * g.cy)[0]) + [count]
     L = len(g.steps)
 
@@ -258,7 +293,7 @@ def _chunk_groups(g: _Grid, count: int):
 def _block_groups(g: _Grid, counts, displs):
     """group(v, s) of reduce-scatter and all-gather: the caller's blocks of every world rank folded into a
     core rank of ``G(v, s)``."""
-    _, lo, by_pos = _order(g.cx, g.cy)
+    _, lo, by_pos = g.order()
     L = len(g.steps)
 
     def group(v: int, s: int) -> tuple:
@@ -270,13 +305,11 @@ def _block_groups(g: _Grid, counts, displs):
 
 def allreduce(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col: str = "col") -> list:
     """Plan of rank ``(x, y)`` of an ``X x Y`` grid (world rank ``x + X*y``; a side of 1: the 1-D Swing on
-    "world") for an all-reduce of ``count`` elements at offset 0: fold, ``2 log2`` steps of Swing on the
-    core, unfold."""
+    "world") for an all-reduce of ``count`` elements at offset 0: the Swing reduce-scatter and all-gather on
+    the core, folded axes folding in and out at their first step."""
     g = _grid(x, y, X, Y, row, col)
-    whole = lambda a, b: ((0, count),)  # noqa: E731
     group = _chunk_groups(g, count)
-    return (g.fold_in(whole, whole, reduce=True) + _swing_rs(g, group, final=True) + _swing_ag(g, group)
-            + g.fold_out(whole, whole))
+    return _swing_rs(g, group, final=True) + _swing_ag(g, group, lambda a, b: ())
 
 
 def _own_and_row(g: _Grid, counts, displs):
@@ -294,20 +327,19 @@ def reduce_scatter(x: int, y: int, X: int, Y: int, counts, displs, row: str = "r
     """Plan of rank ``(x, y)``: block ``w`` (``counts``/``displs`` index world ranks) ends reduced on world
     rank ``w``; the folded ranks' blocks come back in the last steps."""
     g = _grid(x, y, X, Y, row, col)
-    whole = lambda a, b: ((0, sum(counts)),)  # noqa: E731
     own, folded = _own_and_row(g, counts, displs)
-    return (g.fold_in(whole, whole, reduce=True) + _swing_rs(g, _block_groups(g, counts, displs), final=True)
-            + g.fold_out(own, folded))
+    return _swing_rs(g, _block_groups(g, counts, displs), final=True) + g.fold_out(own, folded)
 
 
 def allgather(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col") -> list:
     """Plan of rank ``(x, y)``: every rank ends with every block, given that world rank ``w`` holds block
-    ``w``; the folded ranks hand theirs in first and get the rest back last."""
+    ``w``; the folded ranks hand theirs in first and get the rest back as their axis unfolds."""
     g = _grid(x, y, X, Y, row, col)
-    whole = (0, sum(counts))
     own, folded = _own_and_row(g, counts, displs)
-    return (g.fold_in(own, folded, reduce=False) + _swing_ag(g, _block_groups(g, counts, displs))
-            + g.fold_out(lambda a, b: _without(whole, own(a, b)), lambda a, b: _without(whole, folded(a, b))))
+
+    def held(a: int, b: int) -> list:
+        return own(a, b) if _core_index(a, g.ex) is None else folded(a, b)
+    return g.fold_in(own, folded, reduce=False) + _swing_ag(g, _block_groups(g, counts, displs), held)
 
 
 def folded(X: int, Y: int) -> tuple:

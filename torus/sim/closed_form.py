@@ -24,8 +24,10 @@ all-reduce ``2(X-1)(α + β·M/X) + (X-1)γM/X + 2(Y-1)(α + β·M/N) + (Y-1)γM
 different α/β); hierarchical all-reduce with intra (αi, βi) and inter (αe, βe) levels:
 ``(L-1)(αi + (βi+γ)M/L) + 2(αi + (L-1)βi·M/L) + 2(C-1)(αe + βe·M/C) + (C-1)γM/C + (L-1)(αi + βi·M/L)``
 (the gather and the scatter each push ``L-1`` chunks through the leader's one port). Swing all-reduce:
-per folded axis ``α + (β+γ)M`` in and ``α + βM`` out, and per core step ``s`` (of ``log2 P``)
-``α + (β+γ)M/2**(s+1)`` and ``α + βM/2**(s+1)`` at the level of that step's axis.
+per core step ``s`` (of ``log2 P``) ``α + (β+γ)M/2**(s+1)`` and ``α + βM/2**(s+1)`` at the level of that
+step's axis, and a folded axis ``α + (β+γ)M/2**j`` in and ``α + βM/2**j`` out at its first step ``j`` (the
+axes alternate from an unfolded one where there is one: ``j = 1`` for a grid with one folded axis, ``j = 0``
+on a line).
 """
 from __future__ import annotations
 
@@ -93,12 +95,15 @@ def time(algorithm: str, collective: str, M: float, alpha: float, beta: float, g
         line = X == 1 or Y == 1
         levels = [(ae, be) if X == 1 else (alpha, beta)] if line else [(alpha, beta), (ae, be)]
         axes = _swing_axes(X, Y)
-        order = [a for k in range(max(k for k, _ in axes)) for a in range(len(axes)) if k < axes[a][0]]
-        t = sum(levels[a][0] + (levels[a][1] + gamma) * M + levels[a][0] + levels[a][1] * M
-                for a, (_, folded) in enumerate(axes) if folded)
+        first = 1 if len(axes) == 2 and axes[0][1] and not axes[1][1] and axes[1][0] else 0
+        ks = [k for k, _ in axes]
+        order = [a for k in range(max(ks)) for a in ((first, 1 - first) if len(axes) == 2 else (0,)) if k < ks[a]]
+        t = 0.0
         for s, a in enumerate(order):
-            m = M / 2 ** (s + 1)
-            t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m
+            m = M / 2 ** s  # what each rank holds before step s
+            if axes[a][1] and order.index(a) == s:  # the axis folds in and, mirrored, out here
+                t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m
+            t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m / 2
         return t
     if algorithm == "hierarchical" and collective == "allreduce":
         C = N // L
