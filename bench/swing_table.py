@@ -16,8 +16,8 @@ def main(paths: list[str]) -> None:
     algos = list(dict.fromkeys(r["algorithm"] for r in rounds[0]))
     others = [a for a in algos if a != "swing"]
     print(f"# {len(paths)} rounds: {' '.join(paths)}")
-    print(f"# median over rounds of each round's median time (us); swing/X = swing's time over X's "
-          f"(below 1: swing faster); spread = max/min of swing's per-round medians")
+    print("# median over rounds of each round's median time (us); swing/X = swing's time over X's "
+          "(below 1: swing faster); spread = max/min of swing's per-round medians")
     print(f"{'size':>10} {'placement':>12} " + " ".join(f"{a:>10}" for a in algos) + " "
           + " ".join(f"{'swing/' + a:>14}" for a in others) + f" {'spread':>7}")
     for place in ("out_of_place", "in_place"):
