@@ -148,7 +148,7 @@ def test_cli_sweep_json_and_plot(tmp_path, capsys):
     assert main(["--sweep", "-b", "1K", "-e", "16K", "-f", "4", "--ranks", "6,8", "--ranks-per-node", "2",
                  "--json", str(out), "--plot", str(png)]) == 0
     data = json.loads(out.read_text())
-    assert len(data["results"]) == 2 * 3 * 3
+    assert len(data["results"]) == 2 * len(ALGORITHMS) * 3  # rank counts x the default schedules x sizes
     assert {r["nbytes"] for r in data["results"]} == {1024, 4096, 16384}
     assert png.stat().st_size > 1000
     assert "torus2d" in capsys.readouterr().out
