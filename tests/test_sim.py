@@ -131,6 +131,20 @@ def test_paper_scale_2176():
                                                         COST1.beta, COST1.gamma, 2176, 32, 68), rel=1e-9)
 
 
+def test_swing_at_1088_ranks_matches_its_closed_form():
+    """1,088 ranks as 16x68: Swing replayed in full (no orbit), 2 log2(16*64) + 2 steps (the 68 columns fold onto
+    64) and the closed-form time with the fold at the second step (the unfolded row axis first)."""
+    layout = Layout(16, 68, 4)
+    count = 1088 * 64
+    r = simulate("swing", "allreduce", layout, count, "float32", COST1)
+    assert r.method == "full" and r.tag_mismatches == 0
+    assert r.steps == closed_form.steps("swing", "allreduce", 1088, 16, 68) == 2 * 10 + 2
+    assert r.time == pytest.approx(closed_form.time("swing", "allreduce", count * 4, COST1.alpha, COST1.beta,
+                                                    COST1.gamma, 1088, 16, 68), rel=1e-9)
+    with pytest.raises(SimulationError, match="no orbit"):
+        simulate("swing", "allreduce", layout, count, "float32", COST1, "orbit")
+
+
 def test_unmatched_and_deadlock_raise():
     layout = Layout(2, 1)
     short = {0: [Step(sends=(Send("world", 1, 0, 4),))], 1: [Step(recvs=(Recv("world", 0, 0, 3, True),))]}
