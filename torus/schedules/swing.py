@@ -21,12 +21,14 @@ group is contiguous (``_order``), so each of its steps is one message.
 
 Any rank count (the paper handles it inside the schedule; this module folds instead, which is simpler and
 exactly correct): along an axis of ``n = 2**k + e`` ranks (``0 < e < 2**k``), each odd coordinate ``c < 2e``
-first hands its data to ``c - 1`` (one step: the whole buffer for reduce-scatter and all-reduce, its own block
-for all-gather), the ``2**k`` remaining coordinates run Swing, and ``c - 1`` hands the result back (the whole
-buffer, or the folded rank's blocks). On a grid the row folds first, then the column among the row's remaining
-ranks. Cost against a power of two: two more steps per folded axis, on the critical path (all-reduce:
-``α + (β+γ)M`` in and ``α + βM`` out, sim/closed_form.py); a partner ``c - 1`` receives and sends the whole
-``M`` once more each on top of the core's ``2(2**k - 1)/2**k M``, and the folded ranks idle in between.
+hands what it holds to ``c - 1`` just before the axis' first Swing step and idles until ``c - 1`` hands the
+result back, mirrored in the all-gather; until then it takes the steps of ``c - 1`` in its own row or column
+(``_Grid``). On a line that is the whole buffer; on a grid with one folded axis the other axis goes first,
+so half of it; with both folded, the row folds at the start and the column after one halving. A reduce-
+scatter gives the folded ranks their blocks in one more step per folded axis at the end; an all-gather takes
+their blocks in at the start. Cost against a power of two: two more steps per folded axis, on the critical
+path (all-reduce: ``α + (β+γ)m`` in and ``α + βm`` out, ``m`` the part folded; sim/closed_form.py); a partner
+``c - 1`` receives and sends ``m`` once more each on top of the core's ``2(2**k - 1)/2**k M``.
 
 Plans are pure and dtype-free: regions in elements of the working buffer, so one plan serves every dtype and
 op (the executor's kernels) in place and out of place (compile.py); any count, 0 and fewer elements than ranks
@@ -154,10 +156,6 @@ class _Grid:
         self.me = sx + self.cx * sy
         # the core steps this rank takes: those before its first fold
         self.until = min((self.fold_at[a] for a in self.extra_on), default=len(self.steps))
-
-    @property
-    def core(self) -> bool:
-        return not self.extra_on
 
     def order(self) -> tuple:
         return _order(self.cx, self.cy, self.first)
