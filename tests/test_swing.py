@@ -1,4 +1,4 @@
-"""swing.py's plans against the paper's definitions (De Sensi et al., NSDI'24, section 3): the peer distances
+"""swing.py's plans against the paper's definitions (De Sensi et al., NSDI'24, arXiv:2401.09356): the peer distances
 ``rho``, the peers, ``2 log2 p`` steps of halving data with one message each (all-reduce), the axes in turn on a
 grid, and the folds' step counts. That every element ends reduced exactly once is test_partition.py's replay;
 that the executor runs them, the MPI suites (oracle cases swing*); the simulator, test_sim*.py."""
