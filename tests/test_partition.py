@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from torus.partition import chunks, displacements, segments
-from torus.schedules import hierarchical, ring, torus2d
+from torus.schedules import hierarchical, ring, swing, torus2d
 
 
 # ---------------------------------------------------------------- chunks, displacements, segments
@@ -142,8 +142,9 @@ def _fresh(layout, n, filled):
 def _allreduce_plans(algo, layout, count):
     if algo == "ring":
         return [ring.allreduce("world", r, layout.size, count) for r in range(layout.size)]
-    if algo == "torus2d":
-        return [torus2d.allreduce(*layout.grid(r), layout.X, layout.Y, count) for r in range(layout.size)]
+    if algo in ("torus2d", "swing"):
+        module = torus2d if algo == "torus2d" else swing
+        return [module.allreduce(*layout.grid(r), layout.X, layout.Y, count) for r in range(layout.size)]
     return [hierarchical.allreduce(*layout.node(r), count, layout.rpn) for r in range(layout.size)]
 
 
@@ -152,8 +153,8 @@ def _block_plans(module_fn, algo, layout, counts):
     if algo == "ring":
         fn = getattr(ring, module_fn)
         return [fn("world", r, layout.size, counts, displs) for r in range(layout.size)]
-    if algo == "torus2d":
-        fn = getattr(torus2d, module_fn)
+    if algo in ("torus2d", "swing"):
+        fn = getattr(torus2d if algo == "torus2d" else swing, module_fn)
         return [fn(*layout.grid(r), layout.X, layout.Y, counts, displs) for r in range(layout.size)]
     fn = getattr(hierarchical, module_fn)
     return [fn(*layout.node(r), counts, displs) for r in range(layout.size)]
@@ -162,13 +163,13 @@ def _block_plans(module_fn, algo, layout, counts):
 def _layouts(algo, size, regular_nodes=False):
     if algo == "ring":
         return [Layout(size)]
-    if algo == "torus2d":
+    if algo in ("torus2d", "swing"):
         return [Layout(size, X) for X in range(1, size + 1) if size % X == 0]
     return [Layout(size, rpn=rpn) for rpn in range(1, size + 1) if not regular_nodes or size % rpn == 0]
 
 
-SIZES = [1, 2, 3, 4, 5, 6, 8]
-ALGOS = ["ring", "torus2d", "hierarchical"]
+SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
+ALGOS = ["ring", "torus2d", "hierarchical", "swing"]
 
 
 @pytest.mark.parametrize("algo", ALGOS)

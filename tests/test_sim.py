@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from torus.partition import chunks
+from torus.schedules import swing
 from torus.schedules.plan import Recv, Send, Step
 from torus.sim import closed_form, replay
 from torus.sim.cli import main
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
-from torus.sim.plans import ALGORITHMS, COLLECTIVES, plan
+from torus.sim.plans import ALGORITHMS, COLLECTIVES, NO_ORBIT, plan
 from torus.sim.simulate import simulate
 
 GRIDS = [(1, 5), (5, 1), (2, 2), (2, 3), (3, 2), (4, 6)]
@@ -37,7 +38,8 @@ def test_counts_match_closed_form(X, Y, algorithm, collective):
     for count in _counts(N):
         r = simulate(algorithm, collective, layout, count, "float64", COST1, "full")
         M = count * 8
-        sent, reduced = closed_form.sent_per_rank(collective, N, M), (N - 1) / N * M
+        back = sum(chunks(count, N)[0][w] * 8 for w in swing.folded(X, Y)) if algorithm == "swing" else 0
+        sent, reduced = closed_form.sent_per_rank(collective, N, M, back), (N - 1) / N * M
         if algorithm == "hierarchical" and collective == "allreduce":
             c0 = chunks(count, L)[0][0] * 8
             C = N // L
@@ -62,6 +64,8 @@ def test_time_matches_closed_form(X, Y, algorithm, collective, cost):
     layout = Layout(X, Y, X)
     N = layout.N
     count = 12 * N * N
+    if algorithm == "swing" and collective != "allreduce":
+        pytest.skip("swing: a closed form for the all-reduce only (closed_form.time)")
     r = simulate(algorithm, collective, layout, count, "float32", cost, "full")
     if algorithm == "ring" and cost.inter_alpha is not None and layout.nodes > 1:
         expect = closed_form.time(algorithm, collective, count * 4, cost.inter_alpha, cost.inter_beta,
@@ -70,7 +74,8 @@ def test_time_matches_closed_form(X, Y, algorithm, collective, cost):
         expect = closed_form.time(algorithm, collective, count * 4, cost.alpha, cost.beta, cost.gamma, N, X, Y,
                                   X, cost.inter_alpha, cost.inter_beta)
     assert r.time == pytest.approx(expect, rel=1e-12)
-    if algorithm != "hierarchical" or collective != "allreduce":  # symmetric: every rank sends alike
+    symmetric = algorithm != "swing" or not swing.folded(X, Y)  # the folds' partners send more
+    if symmetric and (algorithm != "hierarchical" or collective != "allreduce"):  # every rank sends alike
         assert r.sent_max == pytest.approx(r.sent_mean, rel=1e-12)
 
 
@@ -98,7 +103,7 @@ def test_symmetric_ranks_finish_together():
 
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("X,Y,L", [(4, 6, 2), (8, 8, 4), (1, 24, 4), (24, 1, 3)])
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a not in NO_ORBIT])
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_orbit_equals_full_replay(X, Y, L, algorithm, collective, shared):
     """The fast path (representatives + rotation, vectorized clocks) gives exactly the full replay's
@@ -126,6 +131,20 @@ def test_paper_scale_2176():
                                                         COST1.beta, COST1.gamma, 2176, 32, 68), rel=1e-9)
 
 
+def test_swing_at_1088_ranks_matches_its_closed_form():
+    """1,088 ranks as 16x68: Swing replayed in full (no orbit), 2 log2(16*64) + 2 steps (the 68 columns fold onto
+    64) and the closed-form time with the fold at the second step (the unfolded row axis first)."""
+    layout = Layout(16, 68, 4)
+    count = 1088 * 64
+    r = simulate("swing", "allreduce", layout, count, "float32", COST1)
+    assert r.method == "full" and r.tag_mismatches == 0
+    assert r.steps == closed_form.steps("swing", "allreduce", 1088, 16, 68) == 2 * 10 + 2
+    assert r.time == pytest.approx(closed_form.time("swing", "allreduce", count * 4, COST1.alpha, COST1.beta,
+                                                    COST1.gamma, 1088, 16, 68), rel=1e-9)
+    with pytest.raises(SimulationError, match="no orbit"):
+        simulate("swing", "allreduce", layout, count, "float32", COST1, "orbit")
+
+
 def test_unmatched_and_deadlock_raise():
     layout = Layout(2, 1)
     short = {0: [Step(sends=(Send("world", 1, 0, 4),))], 1: [Step(recvs=(Recv("world", 0, 0, 3, True),))]}
@@ -143,7 +162,7 @@ def test_cli_sweep_json_and_plot(tmp_path, capsys):
     assert main(["--sweep", "-b", "1K", "-e", "16K", "-f", "4", "--ranks", "6,8", "--ranks-per-node", "2",
                  "--json", str(out), "--plot", str(png)]) == 0
     data = json.loads(out.read_text())
-    assert len(data["results"]) == 2 * 3 * 3
+    assert len(data["results"]) == 2 * len(ALGORITHMS) * 3  # rank counts x the default schedules x sizes
     assert {r["nbytes"] for r in data["results"]} == {1024, 4096, 16384}
     assert png.stat().st_size > 1000
     assert "torus2d" in capsys.readouterr().out

@@ -165,6 +165,22 @@ def _sid_keys(compiled, layout):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_replay_matches_executor(layout, algorithm, collective):
+    _check_replay(layout, algorithm, collective)
+
+
+# Swing's power-of-two cores without folding (a line of 8; 4x2 and 4x4 grids, the axes in turn), over nodes.
+SWING_LAYOUTS = [Layout(8, 1, 4), Layout(4, 2, 2), Layout(4, 4, 4)]
+
+
+@pytest.mark.parametrize("layout", SWING_LAYOUTS, ids=lambda lay: f"{lay.X}x{lay.Y}/{lay.ranks_per_node}")
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_swing_replay_matches_executor(layout, collective):
+    _check_replay(layout, "swing", collective)
+
+
+def _check_replay(layout, algorithm, collective):
+    """The executor's messages, waits and counts equal the replay's for one layout at several counts and
+    segment sizes; the all-reduce's result equals numpy's sum."""
     N = layout.N
     rng = np.random.default_rng(N * 31 + layout.nodes)
     for count in (0, 1, max(N - 1, 2), 7 * N + 3):

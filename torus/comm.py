@@ -1,5 +1,5 @@
 """TorusComm: an mpi4py intracommunicator seen as a periodic X x Y grid, with ring, hierarchical, 2D-torus,
-native and (ranks on one node) shared-memory reduce-scatter, all-gather and all-reduce.
+Swing, native and (ranks on one node) shared-memory reduce-scatter, all-gather and all-reduce.
 
 Buffers are C-contiguous numpy arrays or GPU arrays (``__cuda_array_interface__``: CuPy, numba; wrap a
 PyTorch CUDA tensor with ``cupy.asarray``) of float16, bfloat16, float32, float64, int32 or int64, sendbuf and
@@ -90,8 +90,9 @@ class TorusComm:
 
     Memory: calls keep their working buffers for the next call (a fresh allocation would cost page faults
     every step), growing only: one step's incoming data (all-reduce: ``count / size`` elements for the ring,
-    ``count / X`` for the 2D torus, ``count / Y`` when ``X`` is 1 or its columns run first), a full-size
-    working copy for reduce-scatter, pinned host and device mirrors for GPU buffers; :meth:`free_buffers` releases them.
+    ``count / X`` for the 2D torus, ``count / Y`` when ``X`` is 1 or its columns run first, ``count / 2`` for
+    Swing, up to ``count`` on a rank that others fold into), a full-size working copy for reduce-scatter,
+    pinned host and device mirrors for GPU buffers; :meth:`free_buffers` releases them.
 
     Raises ``ValueError`` when ``dims`` does not multiply to the size. Collective: every rank constructs it.
     """

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm")
+ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm", "swing")
 
 # (largest communicator size the row applies to, largest nbytes, placement the row applies to, algorithm);
 # None = no limit / both placements; first match wins. Rows apply to all three collectives (reduce-scatter

@@ -195,7 +195,7 @@ callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``trai
         The X x Y grid for ``TorusComm`` (default: TorusComm's, one axis along equal nodes, else
         ``MPI.Compute_dims``).
     algorithm : str
-        "auto", "ring", "hierarchical", "torus2d" or "native".
+        "auto", "ring", "hierarchical", "torus2d", "swing" or "native".
     compression : str
         "none", "fp16" or "bf16": the wire format of the float32 gradient buffer (metric states always travel
         uncompressed).

@@ -31,6 +31,7 @@ import pytest
 from mpi4py import MPI
 
 import torus
+from torus.topology import default_dims
 
 WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()
@@ -51,10 +52,13 @@ _MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "ma
 # hierarchical and torus2d run over shared memory (torus/schedules/phases.py; TORUS_SHM_PHASES=0 runs the
 # suites without): torus2d-rpn2 (the default grid, rows the nodes of 2 at
 # 4 and 6 ranks), torus2d-3x2-rpn3 and torus2d-2x3-rpn4 (rows inside nodes of 4 and 2) at 6 ranks;
-# hierarchical-rpn2-p2p keeps MPI's messages there.
+# hierarchical-rpn2-p2p keeps MPI's messages there. swing: the default grid (a line at 1, 2, 3 and 5 ranks,
+# 2x2 at 4, 2x3 at 6: the column folded), swing-1xN the line at 4 and 6 (folded at 6), swing-3x2 the row
+# folded (6 ranks).
 CASES = ["ring", "native", "shm", "torus2d-1xN", "torus2d-Nx1", "torus2d-2x2", "torus2d-2x3", "torus2d-3x2",
          "torus2d-rpn2", "torus2d-3x2-rpn3", "torus2d-2x3-rpn4", "hierarchical-rpn1", "hierarchical-rpn2",
-         "hierarchical-rpn3", "hierarchical-rpn4", "hierarchical-rpnN", "hierarchical-nodes", "hierarchical-rpn2-p2p"]
+         "hierarchical-rpn3", "hierarchical-rpn4", "hierarchical-rpnN", "hierarchical-nodes", "hierarchical-rpn2-p2p",
+         "swing", "swing-1xN", "swing-3x2"]
 _comms: dict = {}
 # recvcounts patterns for reduce-scatter and all-gather; those in BLOCK_FORM are passed as recvcounts=None.
 PATTERNS = {
@@ -88,7 +92,9 @@ def _config(case: str):
         if SIZE not in (4, 6):
             pytest.skip(f"at {SIZE} ranks no grid axis of several ranks lies inside nodes of 2")
         return algo, {"ranks_per_node": 2}
-    if algo == "torus2d":
+    if algo == "swing" and layout == "1xN" and 1 in default_dims(SIZE):
+        pytest.skip("the default grid is this line already")
+    if algo == "torus2d" or algo == "swing" and layout:
         grid, _, nodes = layout.partition("-")
         X, Y = (SIZE if d == "N" else int(d) for d in grid.split("x"))
         if X * Y != SIZE:

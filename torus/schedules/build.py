@@ -1,16 +1,17 @@
 """One plan builder for TorusComm and the simulator: ``build(collective, algorithm, topology, counts)``.
 
 ``counts``: the element count (all-reduce) or the per-rank block counts (reduce-scatter, all-gather).
-``algorithm`` is one of ring, torus2d, hierarchical (native has no plan); the ring visits the ranks node by
-node (``Topology.ring_order``), the 2D-torus all-reduce runs its node-local axis first
-(``Topology.columns_first``). Pass the algorithm through ``effective``
+``algorithm`` is one of ring, torus2d, hierarchical, swing (native has no plan); the ring visits the ranks node
+by node (``Topology.ring_order``), the 2D-torus all-reduce runs its node-local axis first
+(``Topology.columns_first``); swing runs on the grid (``Topology.dims``, a line when a side is 1) in rank
+order. Pass the algorithm through ``effective``
 first, which is where the hierarchical reduce-scatter and all-gather fall back to the ring on nodes that are
 not equal runs of consecutive ranks (their blocks follow the rank order).
 """
 from __future__ import annotations
 
 from torus.partition import displacements
-from torus.schedules import hierarchical, ring, torus2d
+from torus.schedules import hierarchical, ring, swing, torus2d
 from torus.topology import Topology
 
 
@@ -32,6 +33,8 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
             if t.columns_first:  # the same schedule on the transposed grid: its rows are our columns
                 return torus2d.allreduce(y, x, Y, X, counts, row="col", col="row")
             return torus2d.allreduce(x, y, X, Y, counts)
+        if algorithm == "swing":
+            return swing.allreduce(x, y, X, Y, counts)
         return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
     displs = displacements(counts)
     rs = collective == "reduce_scatter"
@@ -42,4 +45,6 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
             order=order)
     if algorithm == "torus2d":
         return (torus2d.reduce_scatter if rs else torus2d.allgather)(x, y, X, Y, counts, displs)
+    if algorithm == "swing":
+        return (swing.reduce_scatter if rs else swing.allgather)(x, y, X, Y, counts, displs)
     return (hierarchical.reduce_scatter if rs else hierarchical.allgather)(*t.hierarchical_args(), counts, displs)

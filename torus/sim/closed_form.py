@@ -12,17 +12,38 @@ Steps and bytes:
 - hierarchical (ibid., section 3.2): the leaders' ring moves the whole ``M`` across nodes (``2(C-1)/C·M`` per
   leader) after a node-local reduce-scatter and gather to the leader; ``2(L-1) + 2 + 2(C-1)`` steps.
 
+- swing (De Sensi et al., NSDI'24, section 3; torus/schedules/swing.py): on a power-of-two core of ``P``
+  ranks (``2**k`` per axis, the rest folded in), ``log2 P`` steps per reduce-scatter or all-gather, halving
+  the data each step; a folded axis adds a step before and one after. Summed over ranks, the all-reduce and
+  the all-gather send what the ring sends (the folds add ``2M`` per folded rank and the core saves as much);
+  the reduce-scatter sends the folded ranks' blocks once more (handed back). The folds' partners send most:
+  ``sent_max`` exceeds the mean there.
+
 Time (α-β-γ, one level unless stated): ring all-reduce ``2(N-1)(α + β·M/N) + (N-1)·γ·M/N``; 2D-torus
 all-reduce ``2(X-1)(α + β·M/X) + (X-1)γM/X + 2(Y-1)(α + β·M/N) + (Y-1)γM/N`` (row and column levels may use
 different α/β); hierarchical all-reduce with intra (αi, βi) and inter (αe, βe) levels:
 ``(L-1)(αi + (βi+γ)M/L) + 2(αi + (L-1)βi·M/L) + 2(C-1)(αe + βe·M/C) + (C-1)γM/C + (L-1)(αi + βi·M/L)``
-(the gather and the scatter each push ``L-1`` chunks through the leader's one port).
+(the gather and the scatter each push ``L-1`` chunks through the leader's one port). Swing all-reduce:
+per core step ``s`` (of ``log2 P``) ``α + (β+γ)M/2**(s+1)`` and ``α + βM/2**(s+1)`` at the level of that
+step's axis, and a folded axis ``α + (β+γ)M/2**j`` in and ``α + βM/2**j`` out at its first step ``j`` (the
+axes alternate from an unfolded one where there is one: ``j = 1`` for a grid with one folded axis, ``j = 0``
+on a line).
 """
 from __future__ import annotations
 
 
+def _swing_axes(X: int, Y: int) -> list:
+    """Per axis of the Swing grid (a line when a side is 1): (log2 of its core, folded or not)."""
+    sizes = [X * Y] if X == 1 or Y == 1 else [X, Y]
+    return [(n.bit_length() - 1, n & (n - 1) != 0) for n in sizes]
+
+
 def steps(algorithm: str, collective: str, N: int, X: int = 1, Y: int = 1, L: int = 1) -> int:
     """Messages in sequence on the critical path."""
+    if algorithm == "swing":
+        axes = _swing_axes(X, Y)
+        core = sum(k for k, _ in axes)
+        return (2 if collective == "allreduce" else 1) * core + 2 * sum(f for _, f in axes)
     if algorithm == "ring":
         return (2 if collective == "allreduce" else 1) * (N - 1)
     if algorithm == "hierarchical":
@@ -32,9 +53,11 @@ def steps(algorithm: str, collective: str, N: int, X: int = 1, Y: int = 1, L: in
     return (2 if collective == "allreduce" else 1) * ((X - 1) + (Y - 1))
 
 
-def sent_per_rank(collective: str, N: int, M: float) -> float:
-    """Bytes each rank sends in the ring and 2D-torus schedules (the same for both)."""
-    return (2 if collective == "allreduce" else 1) * (N - 1) / N * M
+def sent_per_rank(collective: str, N: int, M: float, folded_bytes: float = 0.0) -> float:
+    """Bytes each rank sends in the ring and 2D-torus schedules (the same for both), and on average in
+    Swing's, whose reduce-scatter also hands back ``folded_bytes`` (the folded ranks' blocks) once."""
+    return (2 if collective == "allreduce" else 1) * (N - 1) / N * M + \
+        (folded_bytes / N if collective == "reduce_scatter" else 0.0)
 
 
 def inter_node_per_rank(algorithm: str, N: int, X: int, L: int, M: float) -> float:
@@ -65,6 +88,23 @@ def time(algorithm: str, collective: str, M: float, alpha: float, beta: float, g
 
     if algorithm == "ring":
         return ring(N, M, alpha, beta, rs, ag)
+    if algorithm == "swing":
+        if collective != "allreduce":
+            raise ValueError("swing: closed form for the all-reduce only (a reduce-scatter's or all-gather's "
+                             "groups of blocks may be several messages per step)")
+        line = X == 1 or Y == 1
+        levels = [(ae, be) if X == 1 else (alpha, beta)] if line else [(alpha, beta), (ae, be)]
+        axes = _swing_axes(X, Y)
+        first = 1 if len(axes) == 2 and axes[0][1] and not axes[1][1] and axes[1][0] else 0
+        ks = [k for k, _ in axes]
+        order = [a for k in range(max(ks)) for a in ((first, 1 - first) if len(axes) == 2 else (0,)) if k < ks[a]]
+        t = 0.0
+        for s, a in enumerate(order):
+            m = M / 2 ** s  # what each rank holds before step s
+            if axes[a][1] and order.index(a) == s:  # the axis folds in and, mirrored, out here
+                t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m
+            t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m / 2
+        return t
     if algorithm == "hierarchical" and collective == "allreduce":
         C = N // L
         funnel = (alpha + (L - 1) * beta * M / L) if L > 1 else 0.0

@@ -243,7 +243,7 @@ def layout_of(tc) -> Layout:
     return Layout(X, Y, tc.local_size) if tc.topology.node_grid else Layout(X, Y, tc.size)
 
 
-def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical"),
+def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical", "swing"),
              iters: int = 20, alloc: bool = False) -> list[dict]:
     """Measured all-reduce times on ``tc`` (a TorusComm) and, for each ``{name: Cost}``, the simulator's
     prediction ``predicted_<name>`` on ``tc``'s nodes (``layout_of``); ``alloc``: then shm once more on
@@ -348,7 +348,7 @@ def main(args, cost: Cost) -> int:
                   f"{tc.nodes}")
         tc.Free()
         return 2
-    rows = validate(tc, costs, algorithms=("ring", "torus2d", "hierarchical") + (("shm",) if one_node else ()),
+    rows = validate(tc, costs, algorithms=("ring", "torus2d", "hierarchical", "swing") + (("shm",) if one_node else ()),
                     alloc=args.alloc)
     if rank == 0:
         print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {layout_of(tc).nodes} node(s) in the model, {load}; "

@@ -25,7 +25,8 @@ from torus.schedules import ring, torus2d
 from torus.schedules.build import build, effective
 from torus.sim.model import Layout, SimulationError
 
-ALGORITHMS = ("ring", "hierarchical", "torus2d")
+ALGORITHMS = ("ring", "hierarchical", "torus2d", "swing")
+NO_ORBIT = ("swing",)  # no rotation derives every rank from a few: replayed in full at every size
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 
 

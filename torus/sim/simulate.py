@@ -67,7 +67,8 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     ``count``: elements of the all-reduce buffer, or of the whole reduce-scatter input / all-gather output.
     ``method``: "full" replays every rank's real plan; "orbit" derives all ranks from representatives
     (checked against real plans of sampled ranks); "auto" picks full up to FULL_MAX_RANKS ranks. ``shm``
-    (one node only) replays the shared-memory transport's steps instead (sim/shm.py; method "shm").
+    (one node only) replays the shared-memory transport's steps instead (sim/shm.py; method "shm"); swing has
+    no orbit and "auto" replays it in full at every size.
     ``alloc``: an in-place all-reduce of a ``TorusComm.alloc`` buffer; shm then replays ``run_window``
     (method "alloc"), the other algorithms run such a buffer as any other (priced as without).
     Raises ValueError for unknown names or ``alloc`` with another collective than allreduce,
@@ -81,7 +82,7 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     if algorithm == "shm":
         return _shm(collective, layout, count, itemsize, cost, alloc)
     if method == "auto":
-        method = "full" if layout.N <= FULL_MAX_RANKS else "orbit"
+        method = "full" if layout.N <= FULL_MAX_RANKS or algorithm in P.NO_ORBIT else "orbit"
     if method == "full":
         plans = {r: P.plan(algorithm, collective, r, layout, count) for r in range(layout.N)}
         end, st, mism = replay.full(plans, layout, cost, itemsize)
@@ -90,6 +91,9 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
         return _result(algorithm, collective, layout, count, itemsize, time, depth, st, mism, "full")
     if method != "orbit":
         raise ValueError(f"torus-sim: unknown method {method!r}")
+    if algorithm in P.NO_ORBIT:
+        raise SimulationError(f"torus-sim: {algorithm} has no orbit fast path (its peers are not a rotation "
+                              "of one rank's); replay it in full (method='full' or 'auto')")
     if algorithm == "hierarchical" and layout.node_sizes is not None:
         raise SimulationError("torus-sim: the hierarchical orbit needs nodes of equal size; replay uneven "
                               "nodes in full (method='full')")

@@ -76,9 +76,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bn-momentum", type=float, default=d["bn_momentum"],
                    help="batch-norm moving-average momentum")
     p.add_argument("--mixed-precision", action="store_true", help="bfloat16 compute on CPU, float16 on GPU")
-    p.add_argument("--algorithm", default="auto", choices=["torus2d", "ring", "hierarchical", "native", "auto"],
+    p.add_argument("--algorithm", default="auto",
+                   choices=["torus2d", "ring", "hierarchical", "swing", "native", "auto"],
                    help="all-reduce of the gradients (auto: by size and rank count, torus/select.py)")
-    p.add_argument("--dims", metavar="XxY", help="torus2d grid, X*Y = the rank count (default: MPI_Dims_create's)")
+    p.add_argument("--dims", metavar="XxY",
+                   help="torus2d and swing grid, X*Y = the rank count (default: MPI_Dims_create's)")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"],
                    help="wire format of the gradients")
     p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],

@@ -1,0 +1,104 @@
+"""swing.py's plans against the paper's definitions (De Sensi et al., NSDI'24, arXiv:2401.09356): the peer distances
+``rho``, the peers, ``2 log2 p`` steps of halving data with one message each (all-reduce), the axes in turn on a
+grid, and the folds' step counts. That every element ends reduced exactly once is test_partition.py's replay;
+that the executor runs them, the MPI suites (oracle cases swing*); the simulator, test_sim*.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torus.schedules import swing
+from torus.schedules.build import build
+from torus.topology import Topology
+
+
+def test_rho_is_the_alternating_sum():
+    assert [swing.rho(s) for s in range(8)] == [sum((-2) ** i for i in range(s + 1)) for s in range(8)]
+    assert [swing.rho(s) for s in range(5)] == [1, -1, 3, -5, 11]
+
+
+def _sends(plan):
+    return [(m.comm, m.peer, m.offset, m.count) for st in plan for m in st.sends]
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16, 64, 256])
+def test_power_of_two_line_peers_and_halving(p):
+    """Rank r's peer at step s is r + rho(s) (even r) or r - rho(s) (odd), mod p; the reduce-scatter half
+    sends p/2, p/4, ... chunks, the all-gather the same in reverse; one message per step."""
+    L = p.bit_length() - 1
+    count = 3 * p
+    for r in range(p):
+        plan = swing.allreduce(r, 0, p, 1, count)
+        assert len(plan) == 2 * L
+        assert all(len(st.sends) == 1 and len(st.recvs) == 1 for st in plan)
+        peers = [st.sends[0].peer for st in plan]
+        want = [(r + swing.rho(s)) % p if r % 2 == 0 else (r - swing.rho(s)) % p for s in range(L)]
+        assert peers == want + want[::-1]
+        assert [st.recvs[0].peer for st in plan] == peers
+        sizes = [st.sends[0].count for st in plan]
+        assert sizes == [count >> (s + 1) for s in range(L)] + [count >> (s + 1) for s in range(L)][::-1]
+        assert [st.recvs[0].final for st in plan] == [False] * (L - 1) + [True] + [False] * L
+
+
+@pytest.mark.parametrize("cx,cy", [(1, 1024), (32, 32), (4, 64), (2, 2)])
+def test_groups_are_contiguous_in_the_chunk_order(cx, cy):
+    """The groups of every step partition the core and each is one run of positions: what lets the
+    all-reduce send one message per step."""
+    pos, lo, by_pos = swing._order(cx, cy)
+    n = cx * cy
+    assert sorted(pos.tolist()) == list(range(n)) and (pos[by_pos] == np.arange(n)).all()
+    L = len(swing._steps(cx, cy))
+    for s in range(L + 1):
+        size = 1 << (L - s)
+        assert (lo[s] % size == 0).all()
+        assert ((pos >= lo[s]) & (pos < lo[s] + size)).all()
+
+
+def test_grid_visits_the_axes_in_turn():
+    """4 x 16: row, column, row, column, then the column's two remaining steps; the all-gather reverses."""
+    plan = swing.allreduce(1, 2, 4, 16, 4 * 16 * 5)
+    comms = [st.sends[0].comm for st in plan]
+    half = ["row", "col", "row", "col", "col", "col"]
+    assert comms == half + half[::-1]
+    assert plan[0].sends[0].peer == 0 and plan[1].sends[0].peer == 3  # x=1 odd: x - 1; y=2 even: y + 1
+
+
+@pytest.mark.parametrize("X,Y,folds", [(3, 1, 1), (6, 1, 1), (7, 1, 1), (3, 2, 1), (2, 3, 1), (3, 5, 2),
+                                       (12, 1, 1), (4, 6, 1), (6, 4, 1)])
+def test_folded_step_counts(X, Y, folds):
+    """A folded axis adds a step in the reduce-scatter and one in the all-gather."""
+    L = len(swing._grid(0, 0, X, Y, "row", "col").steps)
+    for r in range(X * Y):
+        x, y = r % X, r // X
+        assert len(swing.allreduce(x, y, X, Y, 40)) == 2 * L + 2 * folds
+        blocks = swing.reduce_scatter(x, y, X, Y, [3] * X * Y, list(range(0, 3 * X * Y, 3)))
+        assert len(blocks) == L + 2 * folds
+
+
+@pytest.mark.parametrize("X,Y,moved", [(6, 1, 1.0), (5, 1, 1.0), (4, 6, 0.5), (6, 4, 0.5), (2, 3, 0.5),
+                                       (3, 2, 0.5)])
+def test_one_folded_axis_folds_after_the_other_axis_first_step(X, Y, moved):
+    """On a line the folded ranks hand in the whole buffer; on a grid with one folded axis the axes run
+    from the other one, so the fold comes after one halving; the folded ranks take their shadow's steps
+    before the fold (the same communicator, peer index and regions) and idle until they unfold."""
+    count = 8 * X * Y
+    for r in swing.folded(X, Y):
+        g = swing._grid(r % X, r // X, X, Y, "row", "col")
+        plan = swing.allreduce(r % X, r // X, X, Y, count)
+        shadow_rank = next(w for w in range(X * Y) if w not in swing.folded(X, Y)
+                           and swing._grid(w % X, w // X, X, Y, "row", "col").me == g.me)
+        shadow = swing.allreduce(shadow_rank % X, shadow_rank // X, X, Y, count)
+        fold = plan[g.until]
+        assert not fold.recvs and sum(m.count for m in fold.sends) == moved * count
+        assert plan[:g.until] == shadow[:g.until]
+        busy = [i for i, st in enumerate(plan) if st.sends or st.recvs]
+        assert len(busy) == 2 * g.until + 2
+        assert plan[len(plan) - g.until:] == shadow[len(plan) - g.until:]
+
+
+def test_build_runs_swing_on_the_topologys_grid():
+    t = Topology(5, 8, (2, 4), tuple(range(8)))
+    assert build("allreduce", "swing", t, 100) == swing.allreduce(1, 2, 2, 4, 100)
+    line = Topology(5, 8, (1, 8), tuple(range(8)))
+    assert build("allreduce", "swing", line, 100) == swing.allreduce(5, 0, 8, 1, 100)
+    assert {m.comm for st in build("reduce_scatter", "swing", line, [2] * 8) for m in st.sends} == {"world"}
