@@ -178,6 +178,19 @@ def test_params_file_and_flags(tmp_path):
     assert (cost.alpha, cost.beta, cost.gamma) == (3e-6, 2e-10, 5e-11)
 
 
+def test_the_cli_shares_a_nodes_link_unless_told_not_to(tmp_path):
+    """torus-sim prices what a network does by default (a node's link shared by the flows crossing it); the
+    closed forms' whole-link model is ``--no-shared-links``, also over a --params file that says otherwise."""
+    from torus.sim.cli import cost_from, parser
+    assert cost_from(parser().parse_args([]), []).shared_links is True
+    argv = ["--no-shared-links"]
+    assert cost_from(parser().parse_args(argv), argv).shared_links is False
+    p = tmp_path / "fit.json"
+    p.write_text(json.dumps({"alpha": 3e-6, "shared_links": True}))
+    argv = ["--params", str(p), "--no-shared-links"]
+    assert cost_from(parser().parse_args(argv), argv).shared_links is False
+
+
 def test_itemsizes_match_numpy():
     from torus.ops import DTYPES
     assert {str(d): d.itemsize for d in DTYPES} == ITEMSIZE

@@ -113,9 +113,10 @@ def parser() -> argparse.ArgumentParser:
                     "(default: --alpha)")
     ap.add_argument("--inter-beta", type=float, default=None, help="seconds per byte between nodes "
                     "(default: --beta)")
-    ap.add_argument("--shared-links", action="store_true",
-                    help="ranks of a node crossing to other nodes at the same step share its link (default: "
-                         "each message gets the whole link, as the closed forms assume)")
+    ap.add_argument("--shared-links", action=argparse.BooleanOptionalAction, default=True,
+                    help="ranks of a node crossing to other nodes at the same step share its link, as on a real "
+                         "network (default); --no-shared-links: each message gets the whole link, as the paper's "
+                         "closed forms assume")
     ap.add_argument("--copy-beta", type=float, default=None,
                     help="shm: seconds per byte of a memory copy (default: --beta)")
     ap.add_argument("--flag-alpha", type=float, default=None,
@@ -193,7 +194,8 @@ def cost_from(args, argv) -> Cost:
             values = {k: v for k, v in json.load(f).items() if k in Cost.__dataclass_fields__}
     for name in Cost.__dataclass_fields__:
         flag = "--" + name.replace("_", "-")
-        if name not in values or any(a == flag or a.startswith(flag + "=") for a in argv):
+        given = (flag, "--no-" + flag[2:])
+        if name not in values or any(a in given or a.startswith(flag + "=") for a in argv):
             values[name] = getattr(args, name)
     return Cost(**values)
 
