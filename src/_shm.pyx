@@ -222,7 +222,7 @@ def run(const int64_t[::1] bases, int rank, cnp.ndarray src not None, cnp.ndarra
             # the peers' from their sub-slots. All-reduce: into our own sub-slot, where every rank copies it
             # from; reduce-scatter: into the output (in place it is our part of src: read before written).
             # All-reduce: each block of our chunk is copied out as soon as it is reduced, from L1 (a separate
-            # pass after the copy in below read it back from L2: in place at 2 ranks 5% of the call's time).
+            # pass after the copy in below read it back from L2: docs/design.md, "The shm protocol").
             n = _piece(counts[rank], lo, seg) if mode != ALLGATHER else 0
             if n:
                 own = s + (displs[rank] + lo) * item

@@ -19,7 +19,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from torus import agreement, buffers, kernels, link, options
+from torus import agreement, buffers, kernels, knobs, link, options
 from torus.errors import TorusError
 from torus.runtime import memory
 from torus.runtime.executor import Executor
@@ -71,7 +71,7 @@ class TorusComm:
     link_gbits : float, optional
         Gbit/s of one node's link (one direction), for ``algorithm="auto"`` across nodes
         (``TORUS_LINK_GBITS``); default: measured here, once, by a short exchange between the leaders of
-        nodes 0 and 1 (torus/link.py; tens of milliseconds at 1 Gbit/s). Unused on one node and on emulated
+        nodes 0 and 1 (torus/link.py). Unused on one node and on emulated
         nodes (``ranks_per_node``), where ``auto`` keeps the one-node table.
     shm_phases : bool
         Across nodes, run the phases of hierarchical and torus2d that lie within a node (and hold several
@@ -115,7 +115,7 @@ class TorusComm:
             self.comm.Split(*t.split(name)) for name in ("row", "col", "local", "cross"))
         # the ranks that share this rank's CPUs: its node's, or more where nodes share a machine (collective)
         on_machine = options.machine_ranks(self.comm) if t.nodes > 1 else t.local_size
-        if threads == "auto" and "TORUS_NUM_THREADS" not in os.environ:
+        if threads == "auto" and not knobs.is_set("TORUS_NUM_THREADS"):
             kernels.set_num_threads((os.cpu_count() or 1) // max(on_machine, t.local_size))
         elif threads not in ("auto", None):
             kernels.set_num_threads(int(threads))

@@ -1,48 +1,23 @@
 """Ending the whole MPI job when one rank fails, instead of leaving the other ranks waiting forever.
 
-What MPICH's hydra ``mpiexec`` (the ``mpich`` 5.0 wheel) does by itself when one of 3 ranks leaves in the
-middle of a sequence of ``MPI_Allreduce`` calls (measured without torus; tests/test_faults_subprocess.py runs
-the same sequence with torus):
+hydra's ``mpiexec`` ends a job whose rank dies by a signal or ``os._exit``, but a rank that leaves through an
+uncaught exception or ``sys.exit`` runs ``MPI_Finalize``, which waits for the ranks still inside a collective:
+the job hangs. This module closes that gap:
 
-- killed by a signal (SIGKILL) or ``os._exit(status)`` with any status: hydra sees the process end without
-  ``MPI_Finalize`` and kills every other rank within a second; ``mpiexec`` exits non-zero, except that after
-  ``os._exit(0)`` it returns 0 in about half the runs (hydra records the ranks it killed as status 0;
-  pmodels/mpich#5930, #7057). Nothing runs in the leaving process then, so torus cannot change that.
-- an uncaught exception or ``sys.exit(status)`` with any status: Python's exit runs mpi4py's ``MPI_Finalize``,
-  which waits for the ranks that are still inside a collective, which wait for the leaving rank: the job hangs
-  forever.
+- :func:`abort_on_exception` (opt-in; torus-train installs it) turns an uncaught exception on any rank into
+  :func:`abort`: ``MPI_Abort``, with a watchdog (``SIGALRM`` after ``TORUS_ABORT_TIMEOUT`` seconds) for the case
+  where ``MPI_Abort`` returns, as it does on a host cut off from ``mpiexec``.
+- :func:`at_exit` marks, at Python's exit, in every shared-memory window this process has open, that it has
+  left; a survivor on the same node waiting on it raises :class:`torus.errors.TimeoutError` naming it (over
+  shared memory at once, in :func:`wait` after ``LEFT_GRACE_S``).
+- :func:`wait` polls an MPI request under the stall timeout (``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``):
+  every torus collective raises :class:`torus.errors.TimeoutError` naming the operation after ``timeout``
+  seconds without progress; a rank that raised one arms the watchdog at exit.
 
-torus closes that gap in two parts. :func:`abort_on_exception` (opt-in; ``python -m mpi4py script.py`` does the
-same for a whole script and also aborts on ``sys.exit`` with a non-zero status) turns an uncaught exception on
-any rank into ``MPI_Abort``, which ends the job at once. A rank that leaves through ``sys.exit`` (or returns from
-``main`` early, or only rank 0 makes a call) marks so at Python's exit, before ``MPI_Finalize``, in its region
-of each shared-memory window it has open (:func:`at_exit`; a TorusComm opens one at its first shm call, as
-``fit``'s gradient all-reduce does on one node). A survivor on the same node waiting on it then raises
-:class:`torus.errors.TimeoutError` naming that rank: over shared memory at once (the departed rank stored its
-flags before it left, so a flag still missing never comes), in :func:`wait` once the wait has lasted
-``LEFT_GRACE_S`` (its last MPI messages may still be on their way). No MPI message is sent at exit (an
-unreceived one is a warning at MPI_Finalize across hosts, and a send to a peer that has gone may fail).
-Otherwise the survivors' stall timeout (``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``) catches it: every torus
-collective, including the argument check, raises :class:`torus.errors.TimeoutError` naming the operation after
-``timeout`` seconds without progress; with :func:`abort_on_exception` that uncaught error aborts the job. Not
-covered by the mark: ranks on other nodes, a TorusComm that never ran shm, waits in the C step loop
-(``check=False`` with ring, hierarchical or torus2d); and a wait among survivors that lasts ``LEFT_GRACE_S``
-after some rank has left raises too. Not covered at all: a survivor blocked in an MPI call outside torus
-(``algorithm="native"``, the caller's own ``comm.Allreduce``) waits forever: MPI's blocking calls have no
-timeout.
-
-``MPI_Abort`` itself may fail to end a rank: across hosts, on a host whose link is cut, it reaches the local
-hydra proxy but the proxy cannot reach ``mpiexec``, and (measured on an emulated cluster, tests/cluster)
-``MPI_Abort`` returns (it does on every host: MPICH's hands the request to the proxy and leaves the killing to
-hydra), and Python's exit then blocks for good in ``MPI_Finalize`` waiting on the same proxy.
-So :func:`abort` (which the hook calls) arms a watchdog first: ``SIGALRM`` with its default action, which the
-kernel carries out whatever the process is blocked in (a Python thread could not run inside ``MPI_Finalize``),
-after ``TORUS_ABORT_TIMEOUT`` seconds (default 10); and if ``MPI_Abort`` returns it leaves at once with
-``os._exit(status)``. A rank that raised a stall timeout also arms the watchdog when Python exits (for three
-abort timeouts), so an uncaught ``TimeoutError`` without the hook, or ``sys.exit`` after catching it, ends the
-rank too instead of hanging in ``MPI_Finalize``. Not covered: a rank stuck outside torus (in the caller's
-code) on a host cut off from ``mpiexec`` stays alive, since hydra's proxy leaves the killing of its ranks to
-``mpiexec``.
+Not covered: a survivor blocked in an MPI call outside torus (``algorithm="native"``, the caller's own
+``comm.Allreduce``) waits forever, since MPI's blocking calls have no timeout. What hydra does by itself in
+each case, what the mark covers and misses, and why the watchdog is a signal: docs/design.md, "The fault
+model".
 """
 from __future__ import annotations
 
@@ -55,18 +30,16 @@ import time
 
 from mpi4py import MPI
 
+from torus import knobs
 from torus.errors import TimeoutError as TorusTimeout
 
 # Seconds between an uncaught exception's report and MPI_Abort, so the launcher forwards the report first.
 ABORT_GRACE_S = 0.5
-# Where MPI_Abort works it ends every rank within about a second (tests/test_faults_subprocess.py); the
-# watchdog must not fire before that, and a stuck rank should not outlive its job by much.
-ABORT_TIMEOUT_S = 10.0
 EXIT_AFTER_STALL = 3  # the watchdog at exit after a stall: this many abort timeouts
 _stalled = False  # set when this process raised a stall timeout: its communicators may never finish
 # A wait that has run this long while a peer's Python has exited raises: that peer cannot take part in a
 # call it has not finished (long enough for its last messages to arrive).
-LEFT_GRACE_S = float(os.environ.get("TORUS_LEFT_GRACE", 5.0))
+LEFT_GRACE_S = knobs.read("TORUS_LEFT_GRACE")
 _PROBE_AFTER_S = 0.02  # a wait starts looking for departed peers after this, then every _PROBE_EVERY_S
 _PROBE_EVERY_S = 0.01
 _left_probes: dict = {}  # id(owner) -> () -> "rank 1" / "ranks 1, 3" whose Python exited, or "" (at_exit)
@@ -87,9 +60,8 @@ def wait(req: MPI.Request, timeout: float | None, message) -> None:
     deadline, probe = start + timeout, start + _PROBE_AFTER_S
     while not req.Test():
         # Give the core away after every unsuccessful test: when ranks outnumber cores the rank we wait for
-        # may need this very core. Measured at 4 ranks on 2 cores (ring all-reduce / MPI_Allreduce): 1.28x
-        # -> 1.04x at 1 MiB, 1.20x -> 0.96x at 4 MiB against yielding every 100 tests; neutral at 2 ranks
-        # (one core each), where sched_yield returns at once. Pure spinning was 2.7x slower still.
+        # may need this very core (docs/performance.md, "Where the constants come from": yielding rarely or
+        # never was slower at 4 ranks on 2 cores; with a core per rank sched_yield returns at once).
         os.sched_yield()
         now = time.monotonic()
         if now > deadline:
@@ -131,13 +103,12 @@ def _stall() -> None:
     if not _stalled:
         _stalled = True
         # Three abort timeouts: Python's own exit (TensorFlow's teardown, other atexit handlers) runs first and
-        # took over 10 s on a loaded 2-core machine after a stall that the caller had caught and recovered from.
+        # can outlast one abort timeout on a loaded machine (docs/performance.md, "Where the constants come from").
         atexit.register(lambda: watchdog("exiting after a stall timeout", EXIT_AFTER_STALL * _timeout_s()))
 
 
 def _timeout_s() -> float:
-    value = os.environ.get("TORUS_ABORT_TIMEOUT", "")
-    return float(value) if value else ABORT_TIMEOUT_S
+    return knobs.read("TORUS_ABORT_TIMEOUT")
 
 
 def watchdog(why: str, seconds: float | None = None) -> None:

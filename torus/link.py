@@ -5,22 +5,20 @@ Measured: when a TorusComm is made on several real nodes, the leaders (local ran
 exchange ``PROBE_BYTES`` both ways at once, ``PROBE_REPS`` times after one untimed exchange; the fastest
 exchange gives the rate, which node 0's leader broadcasts so that every rank chooses alike. It measures what
 the collectives get from the link through MPI (TCP and the MPI library's protocol included), not the wire's
-nominal rate, and one flow of it. Collective over the TorusComm; about ``3 * PROBE_BYTES`` at the link's
-speed (50 ms at 1 Gbit/s, 0.5 ms at 100 Gbit/s), once per TorusComm. Waits poll under the TorusComm's
-stall timeout (torus.errors.TimeoutError). A link that passes bursts above its rate reads fast: on the
-emulated cluster with tbf's bucket at 10 ms of data (more than the probe; it is 1 ms now) 2 Gbit/s links
-read 2.4 Gbit/s, and 4.2 when both ranks of a host had just sent; auto only uses the figure for its native
-threshold (select.NATIVE_LINK_SECONDS), which such an error moves by that factor.
+nominal rate, and one flow of it. Collective over the TorusComm; about ``(PROBE_REPS + 1) * PROBE_BYTES``
+each way at the link's speed, once per TorusComm. Waits poll under the TorusComm's stall timeout
+(torus.errors.TimeoutError). A link that passes bursts above its rate reads fast (docs/clusters.md, "The
+emulated cluster"); auto only uses the figure for its native threshold (select.NATIVE_LINK_SECONDS), which
+such an error moves by the same factor.
 """
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from torus import faults
+from torus import faults, knobs
 
 PROBE_BYTES = 2 << 20
 PROBE_REPS = 2
@@ -30,7 +28,7 @@ def told(link_gbits: float | None = None) -> float | None:
     """The link speed given by argument or ``TORUS_LINK_GBITS`` (Gbit/s), or None. Raises ValueError when it
     is not a positive number."""
     if link_gbits is None:
-        text = os.environ.get("TORUS_LINK_GBITS", "")
+        text = knobs.read("TORUS_LINK_GBITS")
         if not text:
             return None
         try:

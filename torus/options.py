@@ -6,13 +6,12 @@ Everything here is checked on the calling rank before any message (ValueError na
 """
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from torus import link
+from torus import knobs, link
 from torus.topology import Topology, node_dims, node_indices
 
 SEGMENT_BYTES = 1 << 20
@@ -22,11 +21,6 @@ SEGMENT_BYTES = 1 << 20
 # threads="auto" now), 512 KiB segments ran at the link's rate too (bench/README.md, "16-bit all-reduce
 # across hosts"), so the slowdown was likely the kernels' parallel regions. 256 KiB is kept: not re-measured.
 CROSS_NODE_SEGMENT_BYTES = 256 << 10
-
-
-def env_float(name: str, default):
-    value = os.environ.get(name, "")
-    return float(value) if value else default
 
 
 @dataclass(frozen=True)
@@ -59,22 +53,21 @@ def resolve(rank: int, size: int, dims, segment_bytes, check, timeout, gpu_reduc
             raise ValueError(f"TorusComm on rank {rank}: dims {X}x{Y} do not multiply to the communicator "
                              f"size {size}")
         dims = (X, Y)
-    seg = int(segment_bytes or env_float("TORUS_SEGMENT_BYTES", 0))
+    seg = int(segment_bytes or knobs.read("TORUS_SEGMENT_BYTES"))
     if seg and not 1 <= seg < 1 << 31:
         raise ValueError(f"TorusComm on rank {rank}: segment_bytes {seg} outside [1, 2**31)")
     if timeout is not None and timeout < 0:
-        timeout = env_float("TORUS_TIMEOUT", 600.0)
-    forced = os.environ.get("TORUS_GPU_REDUCE", "")
-    if gpu_reduce is None and forced in ("0", "1"):
-        gpu_reduce = forced == "1"
+        timeout = knobs.read("TORUS_TIMEOUT")
+    if gpu_reduce is None:
+        gpu_reduce = knobs.read("TORUS_GPU_REDUCE")
     try:
         told = link.told(link_gbits)
     except ValueError as e:
         raise ValueError(f"TorusComm on rank {rank}: {e}") from None
-    return Options(dims, seg, (os.environ.get("TORUS_CHECK", "1") != "0") if check is None else bool(check),
+    return Options(dims, seg, knobs.read("TORUS_CHECK") if check is None else bool(check),
                    timeout or None, None if gpu_reduce is None else bool(gpu_reduce), told,
-                   int(ranks_per_node or env_float("TORUS_RANKS_PER_NODE", 0)),
-                   (os.environ.get("TORUS_SHM_PHASES", "1") != "0") if shm_phases is None else bool(shm_phases))
+                   int(ranks_per_node or knobs.read("TORUS_RANKS_PER_NODE")),
+                   knobs.read("TORUS_SHM_PHASES") if shm_phases is None else bool(shm_phases))
 
 
 def discover(comm: MPI.Intracomm, options: Options) -> Topology:

@@ -11,8 +11,9 @@ on your cluster and set ``TORUS_ALGO`` (or pass ``algorithm=``) to override the 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from torus import knobs
 
 ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm", "swing")
 
@@ -36,13 +37,9 @@ TABLE = (
 
 # Where every rank is on one node, these rows come first (same columns): the shared-memory transport
 # (torus/runtime/shm.py) against the rows below and the best native all-reduces, measured with
-# bench/native_peers.py on 2 cores (bench/results/native_peers.txt, tabulated in README.md): at 2 ranks and
-# at 4 (two per core) shm led at every size from 64 KiB to 256 MiB, and at 6 (three per core) it took about
-# half the time of torus2d and MPICH from 64 KiB to 64 MiB (bench/README.md, "Shared memory"). At 4 ranks it
-# used to fall far behind under load above 1 MiB, when its waits yielded the core; they sleep on a futex now
-# (src/shm_flags.h). At 8 (four per core) it took 0.38-0.82x the best of ring, torus2d and MPICH from 64 KiB
-# to 64 MiB (bench/results/shm_p8.txt). More than 8 ranks, and ranks with a core each beyond 2, were not
-# measured. Never across nodes.
+# bench/native_peers.py on 2 cores: shm led at every size measured at 2 to 8 ranks (bench/results/native_peers.txt,
+# bench/results/shm_p8.txt; docs/performance.md, "What auto picks"). More than 8 ranks, and ranks with a core
+# each beyond 2, were not measured. Never across nodes.
 ONE_NODE_TABLE = (
     (8, None, None, "shm"),
 )
@@ -55,7 +52,7 @@ def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False
     ``across_nodes`` decides, not the table); ``one_node``: every rank on one node (ONE_NODE_TABLE first).
 
     ``TORUS_ALGO`` (one of ALGORITHMS) overrides both. Raises ValueError for an unknown TORUS_ALGO."""
-    forced = os.environ.get("TORUS_ALGO", "")
+    forced = knobs.read("TORUS_ALGO")
     if forced and forced != "auto":
         if forced not in ALGORITHMS:
             raise ValueError(f"{collective}: TORUS_ALGO={forced!r}; expected auto or one of "
@@ -88,15 +85,13 @@ class Nodes:
 
 
 # Across nodes MPI's own all-reduce while the buffer crosses one link in less than this (seconds at the link's
-# measured speed), i.e. while latency, not the link, is what the call waits for: on the emulated cluster
-# (bench/results/cluster_sweep.txt) the 2D torus beat it at 2 hosts x 2 ranks from 64 KiB at 1 Gbit/s
-# (0.5 ms on the link) and from 256 KiB at 4 Gbit/s (0.5 ms); at 64 KiB and 4 Gbit/s (0.13 ms) they tied.
+# measured speed), i.e. while latency, not the link, is what the call waits for: where the 2D torus started
+# to win on the emulated cluster (bench/results/cluster_sweep.txt; docs/performance.md, "What auto picks").
 NATIVE_LINK_SECONDS = 0.25e-3
 # One rank per node: every message crosses a link and the ring and the torus send the same bytes; the ring
-# measured as fast or faster at 2 and 4 nodes once the buffer takes TORUS2D_LINK_SECONDS on the link; below
-# that the torus' fewer steps (2(X-1)+2(Y-1) against 2(N-1)) won at 4 nodes (4 Gbit/s, 256 KiB: 0.78 against
-# 1.02 ms, 40 iterations; at 1 MiB, 2 ms on the link, they tied: bench/results/cluster_small_sizes.txt), and
-# at any size above RING_MAX_NODES nodes.
+# was as fast or faster at 2 and 4 nodes once the buffer takes TORUS2D_LINK_SECONDS on the link; below that
+# the torus' fewer steps (2(X-1)+2(Y-1) against 2(N-1)) won at 4 nodes (bench/results/cluster_small_sizes.txt),
+# and are assumed to win at any size above RING_MAX_NODES nodes.
 RING_MAX_NODES = 4
 TORUS2D_LINK_SECONDS = 1e-3
 
@@ -109,13 +104,10 @@ def across_nodes(nbytes: int, dims, nodes: Nodes) -> str:
     ``2(C-1)/C`` of it, against the ring's ``2(N-1)/N``); with one rank per node, where every message crosses
     and the ring and the torus send the same bytes, the torus for its fewer steps while the buffer crosses a
     link in under ``TORUS2D_LINK_SECONDS`` or above ``RING_MAX_NODES`` nodes, else (or when the grid is a
-    line) the ring. Where the table above was measured on one node,
-    this rule's constants come from the emulated cluster (tests/cluster, bench/cluster_sweep.py): on its
-    quiet run (bench/results/cluster_sweep.txt, cluster_small_sizes.txt) the pick was within 10% of the
-    fastest algorithm's time at every size from 64 KiB to 64 MiB at 2 x 1, 2 x 2 and 4 x 1 hosts x ranks, 1 and
-    4 Gbit/s, but for one size, which ran on the emulated links' burst bucket rather than at their rate
-    (bench/README.md, "Across hosts"). The ring here visits the ranks node by node (Topology.ring_order), so
-    what it sends through a node's link does not depend on how the ranks were placed."""
+    line) the ring. Where the table above was measured on one node, this rule's constants come from the
+    emulated cluster (tests/cluster, bench/cluster_sweep.py; how close the pick came: bench/results/cluster_sweep.txt,
+    docs/performance.md). The ring here visits the ranks node by node (Topology.ring_order), so what it sends
+    through a node's link does not depend on how the ranks were placed."""
     link_bytes_per_s = nodes.link_gbits * 1e9 / 8
     if nbytes <= NATIVE_LINK_SECONDS * link_bytes_per_s:
         return "native"

@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 import torus
-from torus import kernels
+from torus import kernels, knobs
 from torus.bench.sweep import PLACEMENTS, format_size
 
 _ENV_PREFIXES = ("TORUS_", "MALLOC_", "OMP_", "MPIR_CVAR_", "MPICH_", "UCX_", "FI_", "OMPI_MCA_")
@@ -50,12 +50,12 @@ def cluster() -> dict | None:
     "link_rate", "placement"}`` (the ``tc`` rate of each host's link, or "unshaped"; "blocks" or
     "round_robin"); None outside one. On a real cluster set them yourself
     to label the figures."""
-    if "TORUS_CLUSTER_HOSTS" not in os.environ:
+    if not knobs.is_set("TORUS_CLUSTER_HOSTS"):
         return None
-    return {"hosts": int(os.environ["TORUS_CLUSTER_HOSTS"]),
-            "ranks_per_host": int(os.environ.get("TORUS_CLUSTER_PPN", "0")) or None,
-            "link_rate": os.environ.get("TORUS_CLUSTER_RATE", "unshaped"),
-            "placement": os.environ.get("TORUS_CLUSTER_PLACEMENT", "blocks")}
+    return {"hosts": knobs.read("TORUS_CLUSTER_HOSTS"),
+            "ranks_per_host": knobs.read("TORUS_CLUSTER_PPN") or None,
+            "link_rate": knobs.read("TORUS_CLUSTER_RATE"),
+            "placement": knobs.read("TORUS_CLUSTER_PLACEMENT")}
 
 
 # ---------------------------------------------------------------------------------------------- table

@@ -15,10 +15,11 @@ import os
 
 import numpy as np
 
+from torus import knobs
 from torus._ext import _convert, _reduce  # type: ignore[attr-defined]  # compiled, no stubs
 from torus.ops import HALF_FORMAT, OP_CODE
 
-_num_threads = int(os.environ.get("TORUS_NUM_THREADS", "0")) or (os.cpu_count() or 1)
+_num_threads = knobs.read("TORUS_NUM_THREADS") or (os.cpu_count() or 1)
 
 
 def set_num_threads(n: int) -> None:

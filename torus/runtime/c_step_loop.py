@@ -14,13 +14,12 @@ all-reduce (bench/README.md compares the two loops).
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
 from mpi4py import MPI
 
-from torus import kernels
+from torus import kernels, knobs
 from torus._ext import _reduce  # type: ignore[attr-defined]  # compiled, no stubs
 from torus.runtime import progress
 from torus.runtime.compile import TAG_MOD
@@ -28,7 +27,7 @@ from torus.runtime.compile import TAG_MOD
 
 def _load():
     """(module, None) when the C loop is used, else (None, why not)."""
-    if os.environ.get("TORUS_C_LOOP", "1") == "0":
+    if not knobs.read("TORUS_C_LOOP"):
         return None, "TORUS_C_LOOP=0"
     try:
         with warnings.catch_warnings():

@@ -36,6 +36,7 @@ from concurrent.futures import Future
 
 from mpi4py import MPI
 
+from torus import knobs
 from torus.errors import TorusError
 
 _all: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TorusComm -> Progress
@@ -52,8 +53,7 @@ def poll_pause() -> float:
 
 
 def _settings() -> tuple[int, float]:
-    nice = int(os.environ.get("TORUS_COMM_NICE", "-10") or 0)
-    pause_us = float(os.environ.get("TORUS_COMM_POLL_US", "200") or 0)
+    nice, pause_us = knobs.read("TORUS_COMM_NICE"), knobs.read("TORUS_COMM_POLL_US")
     if not 0 <= pause_us < 1e6:
         raise ValueError(f"TORUS_COMM_POLL_US={pause_us:g}: expected 0 to 999999 microseconds")
     return nice, pause_us * 1e-6

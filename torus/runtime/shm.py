@@ -1,81 +1,24 @@
 """The shared-memory transport (``algorithm="shm"``): ranks on one node reduce straight from each other's
 memory instead of sending messages.
 
-Set-up (once per TorusComm, at its first shm call; collective): a timed barrier (so a rank that never comes
-is a TimeoutError, not a hang inside MPI), ``MPI_Comm_split_type(COMM_TYPE_SHARED)`` (refused unless it
-holds every rank) and one MPI-3 shared window (``MPI_Win_allocate_shared``, ``alloc_shared_noncontig`` so
-each rank's region is its own pages, first touched by itself). Each rank's region: two flag lines
-(``copied``, ``reduced``: 64-bit sequence numbers) and two buffers (double buffering by the parity of the
-sequence number), each a header line (the call's signature) and ``slot_bytes`` of data: ``size`` sub-slots
-of ``slot_bytes / size`` (64-byte multiples) for a reduction, one slot for an all-gather.
+Set-up (once per TorusComm, at its first shm call; collective): a timed barrier, then
+``MPI_Comm_split_type(COMM_TYPE_SHARED)`` (refused unless it holds every rank) and one MPI-3 shared window
+(``MPI_Win_allocate_shared``): per rank two flag lines (``copied``, ``reduced``: 64-bit sequence numbers) and
+two buffers (double buffering by the parity of the step number), each a header line (the call's signature)
+and ``slot_bytes`` of data.
 
-Protocol (src/_shm.pyx runs it, without the GIL). The buffer is split into ``size`` chunks (reduce-scatter
-and all-gather: the caller's blocks; all-reduce: ``partition.chunks``), and step ``i`` moves segment ``i`` of
-every chunk. Steps are numbered across calls by one counter ``seq``, which every rank advances by the same
-number of steps per call; step ``s`` uses buffer ``s % 2``:
+The protocol runs in src/_shm.pyx without the GIL: each step copies in what the peers need, publishes
+``copied``, waits for the peers' flags and compares their signatures, reduces this rank's chunk (its own part
+straight from the input), publishes ``reduced`` and copies out the peers' chunks. Small all-reduces (up to
+``WHOLE_MAX_BYTES``) take one step; in-place all-reduces of ``TorusComm.alloc`` buffers reduce straight from
+the peers' buffers (``run_window``). Every rank's result is bitwise identical.
 
-1. copy in what the peers need: segment ``i`` of every other rank's chunk into its sub-slot (all-gather: of
-   our own chunk), the signature into the header (for step ``s + 1`` this happens during step ``s``, right
-   after our reduction, while the peers finish theirs), then ``copied = s`` (store-release) once step
-   ``s - 1`` is done;
-2. wait for every peer's ``copied >= s`` (load-acquire) and compare its signature with ours (collective,
-   dtype, op, counts, segment size: a mismatch is a MismatchError even with the argument check off);
-3. reduce our chunk's segment, ranks in the order ``rank, rank+1, ...``, our own part read straight from the
-   input (never copied in), the peers' from their sub-slots, with the host kernels (src/loops.h; the first
-   two in one three-operand pass; 16 KiB blocks at a time, every peer's pass over a block before the next
-   block): all-reduce into our own sub-slot, each block copied out into the output at once, then
-   ``reduced = s`` (store-release); reduce-scatter straight into the output; ``avg``'s scale fused into the
-   last;
-4. copy out (all-reduce: once that peer's ``reduced >= s``; all-gather: its copy-in is enough) every
-   other rank's segment into the output.
+Contract: a signature mismatch at any step is a MismatchError on the ranks that see it, even with the
+argument check off; a wait without progress for ``timeout`` seconds, or on a peer whose Python has exited,
+is a TimeoutError naming the step and the peer; after either the transport refuses further calls.
 
-A wait polls its flag ``SPIN_POLLS`` times, when every rank has a core of its own, then sleeps on it (a
-futex the flag's writer wakes, src/shm_flags.h); with more ranks than cores it sleeps at once (the rank
-waited for may need this very core, and a rank that yields instead stays runnable and takes its share).
-
-The argument check: once the window is open TorusComm skips its all-gather for shm calls, since step 1 of
-every step carries the signature. What that catches: another collective, dtype, op, count or recvcounts, or
-segment size (MismatchError on the ranks that see it, at the first step); a rank that rejected its own
-arguments (``announce_error``: its header says so, the others raise agreement.PeerRejected naming it and,
-with the check on, complete the all-gather it posted; that step is spent on every rank so the counters stay
-equal); a rank that runs another algorithm (ring, native: ``announce_other``, its header says so; the
-others fail at their first step, and all of them meet in the all-gather, which names the algorithms). What
-it misses against the all-gather: with the check off, that last case is a TimeoutError after ``timeout``
-s on every rank (an announcement then would race with a slow peer's read of the header); the grid
-(irrelevant to shm).
-
-Why no barrier between calls: before a rank writes buffer ``s % 2`` for step ``s`` (during step ``s - 1``)
-it has waited, in step ``s - 1``, for every peer's ``copied >= s - 1``, which a peer stores only after its
-last read of that buffer, in step ``s - 2``; a peer is at most one step ahead (it cannot finish step ``s`` without our
-``copied = s``, and for an all-reduce our ``reduced = s``), so it writes only the other buffer meanwhile.
-Sequence numbers only grow, so no flag from an earlier call (of another size) can satisfy a later wait.
-Each element is reduced once, by the rank owning its chunk, and copied to the others: every rank's result
-is bitwise identical. A wait that sees no progress for ``timeout`` s raises TimeoutError naming the step
-and the peer, and so does, at once, a wait on a peer whose Python has exited (``mark_left`` at its exit,
-torus.faults.at_exit: it stored every flag it ever will); after a stall or a mismatch the transport refuses
-further calls (its counters disagree).
-
-Cost per byte of an all-reduce on ``p`` ranks: one copy in of ``(p-1)/p`` of the buffer, the reduction's
-``p`` reads of ``1/p`` and one write, and one copy out of every byte (our own chunk block by block from L1,
-as it is reduced). Two flag round trips per step. Where the time goes (2 ranks, 64 MiB in place, one core
-each): about two thirds in reading our own buffer from memory (the copy in and the reduction's own part),
-the rest in reading the peers' sub-slots from their cores' caches; the waits are 2% (bench/README.md,
-"Shared memory").
-
-Small all-reduces (up to ``WHOLE_MAX_BYTES``, within one slot) take one step instead (``run_whole``): every
-rank copies its whole input into its slot, waits for every peer's, and reduces every element itself from the
-slots, ranks in the order 0, 1, ... on every rank (bitwise identical results); one flag wait, no copy out.
-
-Buffers in the window (``TorusComm.alloc``: one more shared window per buffer, each rank's part its own
-pages): an in-place all-reduce of such a buffer (``run_window`` in src/_shm.pyx) publishes ``copied``, reduces
-its chunk in place straight from the peers' buffers, publishes ``reduced``, copies every peer's chunk from
-its buffer, and ends with a second ``copied`` that every rank waits for, so that no rank writes its buffer
-again (the next step's gradients) while a peer still reads it. No copy in, no segments; two step numbers per
-call; the signature names the buffer (which ``alloc``), so ranks passing different buffers mismatch.
-
-Across nodes the node-level phases of hierarchical and torus2d run over transports of this kind on the node's
-sub-communicators (torus/schedules/phases.py). Not done yet (issue 14): out-of-place calls from an ``alloc``
-buffer (they take the ordinary path).
+The protocol step by step, why no barrier is needed between calls, what the signature catches and misses,
+and the cost per byte: docs/design.md, "The shm protocol".
 """
 from __future__ import annotations
 
@@ -88,7 +31,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from torus import agreement, faults, kernels
+from torus import agreement, faults, kernels, knobs
 from torus._ext import _reduce, _shm  # type: ignore[attr-defined]  # compiled, no stubs
 from torus.errors import MismatchError, TorusError
 from torus.errors import TimeoutError as TorusTimeout
@@ -101,26 +44,24 @@ _PAGE = 4096
 # Signature mode of an in-place all-reduce of the k-th ``alloc`` buffer: this plus k (ranks must agree on it).
 _WINDOW_ALLREDUCE = 16
 # Data bytes per rank and step unless TorusComm's segment_bytes is given. Every rank its own core: small, so
-# a step's window data stays in a core's L2 cache between the copy in, the peers' reduction and the copy out
-# (at 2 ranks 64 MiB, 256 KiB steps took 0.9x the time of 1 MiB steps). More ranks than cores: each step
-# waits for every rank to be scheduled, so fewer, larger steps (bench/README.md, "Shared memory").
+# a step's window data stays in a core's L2 cache between the copy in, the peers' reduction and the copy out.
+# More ranks than cores: each step waits for every rank to be scheduled, so fewer, larger steps
+# (bench/README.md, "Shared memory"; docs/performance.md, "Where the constants come from").
 SEGMENT_BYTES = 256 << 10
 OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
-# Polls of a flag before a wait sleeps, when every rank of the node has a core of its own (up to about 1 ms
-# on current x86: 2,000 polls left 64 KiB at 25 us against 18 us); with more ranks than cores a wait sleeps
-# at once.
+# Polls of a flag before a wait sleeps, when every rank of the node has a core of its own (fewer polls made
+# small all-reduces slower: docs/performance.md, "Where the constants come from"); with more ranks than cores
+# a wait sleeps at once.
 SPIN_POLLS = 20000
-# With more ranks than cores: yields of the core before a wait sleeps instead of polls.
-OVERSUBSCRIBED_YIELDS = 64
 # Where MPI maps shared windows (MPICH and Open MPI on Linux), and what alloc leaves free there for others.
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM_BYTES = 16 << 20
 # All-reduces up to this size (and the slot) run in one step, every rank reducing the whole buffer from
-# the slots (src/_shm.pyx run_whole): one flag wait and no copy out, for ``size`` times the reads (at 2 and 4
-# ranks 10-20% faster from 4 B to 16 KiB, slower from 64 KiB; exploratory, loaded machine).
-WHOLE_MAX_BYTES = int(os.environ.get("TORUS_SHM_WHOLE_BYTES", 16 << 10))
+# the slots (src/_shm.pyx run_whole): one flag wait and no copy out, for ``size`` times the reads (faster up
+# to this size, slower above: docs/performance.md, "Where the constants come from").
+WHOLE_MAX_BYTES = knobs.read("TORUS_SHM_WHOLE_BYTES")
 # Outputs from this size (out of place) are copied out with non-temporal stores (src/shm_copy.h).
-STREAM_MIN_BYTES = int(os.environ.get("TORUS_SHM_STREAM_BYTES", 128 << 20))
+STREAM_MIN_BYTES = knobs.read("TORUS_SHM_STREAM_BYTES")
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -173,7 +114,7 @@ class SharedMemory:
         self.comm, self.rank, self.size, self.timeout = comm, rank, size, timeout
         self.members = tuple(range(size)) if members is None else tuple(members)
         own_cores = (host_ranks or size) <= (os.cpu_count() or 1)
-        self.spin = SPIN_POLLS if own_cores else -int(os.environ.get("TORUS_SHM_YIELDS", OVERSUBSCRIBED_YIELDS))
+        self.spin = SPIN_POLLS if own_cores else -knobs.read("TORUS_SHM_YIELDS")
         seg = segment_bytes or (SEGMENT_BYTES if own_cores else OVERSUBSCRIBED_SEGMENT_BYTES)
         line = 64 * size
         self.slot_bytes = -(-seg // line) * line

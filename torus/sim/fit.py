@@ -136,8 +136,8 @@ def fit_alpha_beta(points) -> tuple[float, float]:
 def fit_link(points) -> tuple[float, float]:
     """``(α, β)`` of a link between nodes: α the smallest message's time, β the largest message's time past
     α per byte. Not least squares: a shaped link (``tc tbf``, a switch's buffers) passes messages below its
-    burst size faster than its rate, and a fit across sizes then takes that burst for bandwidth (on the
-    emulated cluster at 2 Gbit/s: 0.37 GB/s fitted against the 0.25 the link allows)."""
+    burst size faster than its rate, and a fit across sizes then takes that burst for bandwidth (it did on the
+    emulated cluster: docs/performance.md, "The cost model")."""
     (b0, t0), (b1, t1) = min(points), max(points)
     return max(float(t0), 0.0), max(float(t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
 
@@ -162,7 +162,7 @@ def copy_rate(comm, sizes=REDUCE_SIZES, reps: int = 10, slot: int = 256 << 10) -
     ``slot`` bytes at a time into one slot-sized buffer with ``np.copyto``, every rank of ``comm`` at once (each
     point the slowest rank's median); and the points. Collective. Piece by piece because that is how the
     transport copies: one side is the caller's buffer, the other a window slot that stays in cache (copying
-    whole out-of-cache buffers measured 5-7x slower here, and over-predicted shm's times 1.6-fold)."""
+    whole out-of-cache buffers was much slower and over-predicted shm's times: docs/performance.md)."""
     pts = []
     for n in sizes:
         src, hot = np.ones(n, np.uint8), np.empty(min(slot, n), np.uint8)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from torus import knobs
+
 _NAME = re.compile(r"^checkpoint-(\d{6})\.npz$")
 
 
@@ -51,7 +53,7 @@ def save(directory: str | Path, epoch: int, model, state: dict, *, keep: int = 2
     with open(tmp, "wb") as f:
         half = len(blob) // 2
         f.write(blob[:half])
-        pause, _, at = os.environ.get("TORUS_CHECKPOINT_SLEEP", "").partition("@")
+        pause, _, at = knobs.read("TORUS_CHECKPOINT_SLEEP").partition("@")
         if pause and int(at or epoch) == epoch:
             f.flush()
             time.sleep(float(pause))

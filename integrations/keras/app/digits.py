@@ -19,13 +19,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from torus import knobs
+
 VAL_FRACTION = 0.2
 SPLIT_SEED = 0
 
 
 def cache_dir() -> Path:
     """The folder holding built datasets: ``$TORUS_CACHE`` or ``~/.cache/torus``."""
-    return Path(os.environ.get("TORUS_CACHE") or Path.home() / ".cache" / "torus")
+    return Path(knobs.read("TORUS_CACHE") or Path.home() / ".cache" / "torus")
 
 
 def _write_split(root: Path, images, labels, size: int) -> None:

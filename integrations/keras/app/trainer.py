@@ -13,6 +13,7 @@ import time
 import warnings
 from pathlib import Path
 
+from torus import knobs
 from torus.integrations.keras.app.cli import RECIPE
 
 
@@ -163,7 +164,7 @@ class Trainer:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         dims = tuple(int(n) for n in args.dims.lower().split("x")) if args.dims else None
         if args.timeline:
-            os.environ["TORUS_TIMELINE"] = args.timeline
+            knobs.override("TORUS_TIMELINE", args.timeline)
         self.strategy = TorusStrategy(dims=dims, algorithm=args.algorithm, compression=args.compression,
                                       comm=comm, overlap={"on": True, "off": False}.get(args.overlap),
                                       bucket_bytes=args.bucket_bytes)

@@ -25,7 +25,6 @@ A custom loop::
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 import zlib
@@ -34,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from torus import IN_PLACE, faults, kernels
+from torus import IN_PLACE, faults, kernels, knobs
 from torus.errors import MismatchError
 from torus.integrations.keras.collectives.buckets import BUCKET_BYTES, Buckets, allreduce_bucketed
 from torus.integrations.keras.collectives.window import WindowBuffers
@@ -60,7 +59,7 @@ def resolve_overlap(torus_comm, overlap: bool | None) -> bool:
     none of 0/1/false/true/off/on/no/yes (any case) or empty."""
     if overlap is not None and not isinstance(overlap, (bool, np.bool_)):
         raise TypeError(f"TorusStrategy on rank {torus_comm.rank}: overlap={overlap!r}: expected True, False or None")
-    text = os.environ.get("TORUS_OVERLAP", "").strip().lower()
+    text = knobs.read("TORUS_OVERLAP").lower()
     if overlap is None and text and text not in SWITCH:
         raise ValueError(f"TorusStrategy on rank {torus_comm.rank}: TORUS_OVERLAP={text!r}: expected 0 or 1 "
                          "(or false/true, off/on, no/yes; unset or empty for the default)")
@@ -81,7 +80,7 @@ def resolve_bucket_bytes(torus_comm, bucket_bytes: int | None) -> int:
     1, else ``ValueError`` (``TypeError`` for a non-integer argument) naming the rank and where it came from."""
     rank = torus_comm.rank
     if bucket_bytes is None:
-        text = os.environ.get("TORUS_BUCKET_BYTES", "").strip()
+        text = knobs.read("TORUS_BUCKET_BYTES")
         if not text:
             return BUCKET_BYTES
         if not text.isdigit() or int(text) < 1:
