@@ -166,11 +166,11 @@ def test_rank_file_and_merge_command(tmp_path):
 
 
 def test_from_env(tmp_path, monkeypatch):
-    monkeypatch.delenv(timeline.ENV, raising=False)
+    monkeypatch.delenv("TORUS_TIMELINE", raising=False)
     assert timeline.from_env(MPI.COMM_SELF) is None
-    monkeypatch.setenv(timeline.ENV, "")
+    monkeypatch.setenv("TORUS_TIMELINE", "")
     assert timeline.from_env(MPI.COMM_SELF) is None
-    monkeypatch.setenv(timeline.ENV, str(tmp_path / "env.json"))
+    monkeypatch.setenv("TORUS_TIMELINE", str(tmp_path / "env.json"))
     tl = timeline.from_env(MPI.COMM_SELF, lanes=("step",))
     assert isinstance(tl, timeline.Timeline)
     tl.close()

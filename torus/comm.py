@@ -273,7 +273,7 @@ class TorusComm:
         an in-place all-reduce of exactly this array (``allreduce(MPI.IN_PLACE, a)`` with ``algorithm`` "shm",
         or "auto" where it picks shm) reduces straight from the peers' arrays, with no copy in (the fused
         gradient buffer of a training step is the use). Collective: every rank calls it, with the same count
-        and dtype, in the same order; every rank on one node. Valid until :meth:`Free`; any other call on it
+        and dtype, in the same order; every rank on one node. Valid until :meth:`free_alloc`; any other call on it
         (a slice, out of place, reduce-scatter) takes the ordinary path.
 
         Raises ValueError when the ranks span several nodes or ``count`` is negative, TypeError for a dtype

@@ -29,8 +29,8 @@ class Knob:
 
 KNOBS: dict[str, Knob] = {
     # collectives (TorusComm's defaults; its arguments win)
-    "TORUS_ALGO": Knob("auto", "str", "force one algorithm for every collective (`auto`, `ring`, `torus2d`, "
-                       "`hierarchical`, `native`, `shm`); overrides `algorithm=` arguments"),
+    "TORUS_ALGO": Knob("auto", "str", "what `algorithm=\"auto\"` runs: `auto` (the table of torus/select.py) or "
+                       "`ring`, `torus2d`, `hierarchical`, `native`, `shm`; read when a call shape is first seen"),
     "TORUS_SEGMENT_BYTES": Knob(0, "int", "segment size in bytes (0: 1 MiB on one node, 256 KiB across nodes)"),
     "TORUS_TIMEOUT": Knob(600.0, "float", "stall timeout in seconds of every collective (0 waits forever)"),
     "TORUS_CHECK": Knob(True, "flag", "compare every call's signature across ranks first (MismatchError)"),
@@ -117,7 +117,8 @@ def markdown() -> str:
              "wins over its variable. Unset or empty means the default.", "",
              "| variable | default | type | what |", "|---|---|---|---|"]
     for name, k in KNOBS.items():
-        default = "unset" if k.default in ("", None) else f"`{k.default}`"
+        default = ("unset" if k.default in ("", None) else f"`{int(k.default)}`" if k.type == "flag"
+                   else f"`{k.default}`")
         lines.append(f"| `{name}` | {default} | {k.type}{' (build)' if k.build else ''} | {k.doc} |")
     return "\n".join(lines) + "\n"
 

@@ -61,7 +61,6 @@ import numpy as np
 
 from torus import knobs
 
-ENV = "TORUS_TIMELINE"
 FORMAT = "torus.timeline/1"  # the per-rank payload (gathered by close, written by close(collective=False))
 MAX_EVENTS = 200_000  # per rank; an event is about 200 bytes, so at most about 40 MB
 PINGS = 8  # ping-pongs per rank and clock sample
@@ -192,7 +191,7 @@ class Timeline:
 def from_env(comm, **kwargs) -> Timeline | None:
     """``Timeline(os.environ["TORUS_TIMELINE"], comm, **kwargs)``, or None where the variable is unset or empty.
     Collective when it is set: every rank must see the same value (mpiexec passes the environment on)."""
-    path = knobs.read(ENV)
+    path = knobs.read("TORUS_TIMELINE")
     return Timeline(path, comm, **kwargs) if path else None
 
 
