@@ -172,3 +172,8 @@ def test_a_broken_example_fails(tmp_path):
     (e,) = parse(PAGE.replace('echo done', 'torus-sim --no-such-flag'))
     status, out = run(e, tmp_path)
     assert status != 0 and differences(e.output, out)
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 150, f"README.md has {lines} lines: at most 150 (the rest belongs in docs/)"

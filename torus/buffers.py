@@ -10,7 +10,7 @@ Memory kinds (``Placement.memory``):
 - ``"staged"``: GPU arrays reduced on the host: ``work`` is a pinned host mirror of the whole buffer, copied
   in before and the result copied back after (``gpu_reduce`` off, and every native call).
 - ``"device"``: GPU arrays reduced on the GPU: ``work`` is device memory and every message is staged through
-  a pinned host mirror (``torus.runtime.staged``).
+  a pinned host mirror (``torus.runtime.memory.DeviceMemory``).
 
 Each collective is one ``Collective`` descriptor: its count rule (what recvbuf must hold), where the input
 lands in the working buffer, which part of it is the result, and its native call.

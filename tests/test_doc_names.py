@@ -1,0 +1,103 @@
+"""Every ``torus.`` dotted name and every repository path that the docs name exists, so a rename that forgets
+a docstring or a page fails here.
+
+Scanned: the docstrings and comments of the Python files under torus/ and integrations/, README.md and
+docs/*.md. A dotted name ``torus.a.b.c`` must import as far as it is a module and resolve by getattr after
+that (a class attribute, method or property; not an attribute set on instances). A path starting with one
+of the repository's folders (``torus/``, ``src/``, ``integrations/``, ``tests/``, ``bench/``, ``docs/``) must
+exist; ``*`` and ``{a,b}`` in it are expanded as a shell would, and one match is enough. Modules that
+need TensorFlow are imported too, so this test needs the ``[tf]`` extra.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOTTED = re.compile(r"(?<![\w./-])torus(?:\.[A-Za-z_]\w*)+")
+PATH = re.compile(r"(?<![\w./~-])(?:torus|src|integrations|tests|bench|docs)/[\w.*{},/-]*[\w*}]")
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SOURCES = [p for d in ("torus", "integrations") for p in sorted((ROOT / d).rglob("*.py"))
+           if not (d == "torus" and "integrations" in p.relative_to(ROOT / d).parts[:1])]
+
+
+def _texts():
+    """(where, text) of every page and every docstring and comment."""
+    for page in PAGES:
+        yield str(page.relative_to(ROOT)), page.read_text()
+    for path in SOURCES:
+        src = path.read_text()
+        rel = str(path.relative_to(ROOT))
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+            if tok.type == tokenize.COMMENT:
+                yield f"{rel}:{tok.start[0]}", tok.string
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc:
+                    yield f"{rel}:{node.body[0].lineno}", doc
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    obj, i = None, len(parts)
+    while i > 0:
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ModuleNotFoundError:
+            i -= 1
+    if obj is None:
+        return False
+    for name in parts[i:]:
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
+
+
+def _expand(path: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [path]
+    return [q for alt in m.group(1).split(",") for q in _expand(path[:m.start()] + alt + path[m.end():])]
+
+
+def _exists(path: str) -> bool:
+    path = path.rstrip(".,")
+    return any((ROOT / p).exists() or any(ROOT.glob(p)) for p in _expand(path))
+
+
+def _found():
+    names, paths = {}, {}
+    for where, text in _texts():
+        for name in DOTTED.findall(text):
+            names.setdefault(name.rstrip("."), where)
+        for path in PATH.findall(text):
+            paths.setdefault(path, where)
+    return names, paths
+
+
+NAMES, PATHS = _found()
+
+
+def test_dotted_names_exist():
+    pytest.importorskip("tensorflow")
+    bad = [f"{where}: {name}" for name, where in sorted(NAMES.items()) if not _resolves(name)]
+    assert not bad, "names that do not exist:\n" + "\n".join(bad)
+
+
+def test_paths_exist():
+    bad = [f"{where}: {path}" for path, where in sorted(PATHS.items()) if not _exists(path)]
+    assert not bad, "paths that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_checks_see_a_stale_name():
+    assert _resolves("torus.runtime.shm.SharedMemory") and not _resolves("torus.runtime.staged")
+    assert _exists("bench/results/allreduce_float32_p{2,4}.txt") and not _exists("torus/runtime/staged.py")
