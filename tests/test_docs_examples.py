@@ -177,3 +177,10 @@ def test_a_broken_example_fails(tmp_path):
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= 150, f"README.md has {lines} lines: at most 150 (the rest belongs in docs/)"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.split("\n") if line.endswith("tests/run.py"))
+    assert command in (ROOT / ".ci" / "run").read_text().split("\n"), \
+        f".ci/run must run README.md's test command verbatim: {command}"

@@ -51,48 +51,32 @@ class TorusComm:
         Emulate nodes of this many consecutive ranks for the hierarchical schedule (default: the real nodes,
         ``MPI.COMM_TYPE_SHARED``; environment ``TORUS_RANKS_PER_NODE``).
     segment_bytes : int
-        Pipelining unit in bytes (default 1 MiB on one node, 256 KiB across nodes: ``torus.options``;
-        ``TORUS_SEGMENT_BYTES``); must be equal on all ranks. The shared-memory transport moves this many
-        bytes per rank and step (when neither is given: 256 KiB, or 1 MiB with more ranks than cores;
-        ``torus.runtime.shm``), through a window of about twice that per rank set up at the first
-        ``algorithm="shm"`` call (collective).
+        Pipelining unit in bytes (default 1 MiB on one node, 256 KiB across nodes, ``TORUS_SEGMENT_BYTES``;
+        the shm transport's own default: ``torus.runtime.shm.SEGMENT_BYTES``); equal on all ranks.
     check : bool
         Agree on every call's arguments across ranks before moving data (default on, ``TORUS_CHECK=0``).
     timeout : float or None
         Seconds a collective may wait without progress before raising ``torus.errors.TimeoutError``
         (default 600, ``TORUS_TIMEOUT``; 0 or None waits forever).
     gpu_reduce : bool or None
-        GPU buffers only. True: the buffer stays on the GPU, every message is staged through a pinned host
-        mirror and reduced on the GPU by the Numba-CUDA kernels (``torus/runtime/memory.py``). False: the
-        whole buffer is copied to pinned host memory, reduced there by the host schedule and kernels, and
-        copied back. None (default; ``TORUS_GPU_REDUCE=1``/``0`` force it): True from ``GPU_REDUCE_MIN_BYTES``
-        (16 MiB) up, where the two measured level (bench/README.md, "On a GPU"). Same results to the bit
-        either way, and the same messages, so ranks may differ.
+        GPU buffers only: reduce on the GPU, messages staged through pinned host memory (True), or on the
+        host (False); None (default, ``TORUS_GPU_REDUCE``): True from ``GPU_REDUCE_MIN_BYTES``. Same bits
+        either way, so ranks may differ.
     link_gbits : float, optional
         Gbit/s of one node's link (one direction), for ``algorithm="auto"`` across nodes
         (``TORUS_LINK_GBITS``); default: measured here, once, by a short exchange between the leaders of
         nodes 0 and 1 (torus/link.py). Unused on one node and on emulated
         nodes (``ranks_per_node``), where ``auto`` keeps the one-node table.
     shm_phases : bool
-        Across nodes, run the phases of hierarchical and torus2d that lie within a node (and hold several
-        ranks) over a shared-memory transport on the node's communicator, the other level over the step loop
-        as before (torus/schedules/phases.py): default on, ``TORUS_SHM_PHASES=0`` turns them off. Emulated
-        nodes (``ranks_per_node``) use them only where each one's ranks share memory. Must be equal on
-        every rank (the argument check compares it). Results are exact and bitwise identical on every rank
-        either way, though not always bitwise equal between the two (the node level reduces in another
-        order). Device buffers of such calls are staged through pinned host memory.
+        Across nodes, run the phases of hierarchical and torus2d that lie within a node over shared memory
+        (torus/schedules/phases.py; default on, ``TORUS_SHM_PHASES``); equal on every rank. Bitwise identical
+        on every rank either way, not always bitwise equal between the two.
     threads : "auto", int or None
-        OpenMP threads of the host kernels, a process-wide setting (``torus.kernels.set_num_threads``).
-        "auto" (default): the CPUs divided by the ranks on this node (on this machine, by host name, where
-        nodes share one: hosts emulated by network namespaces, ``ranks_per_node``), unless
-        ``TORUS_NUM_THREADS`` is set; an int: that many; None: leave the setting as it is (e.g. when the
-        application manages threads).
+        OpenMP threads of the host kernels, process-wide (``torus.kernels.set_num_threads``): "auto" (default)
+        the CPUs divided by the ranks on this machine, unless ``TORUS_NUM_THREADS`` is set; None leaves it.
 
-    Memory: calls keep their working buffers for the next call (a fresh allocation would cost page faults
-    every step), growing only: one step's incoming data (all-reduce: ``count / size`` elements for the ring,
-    ``count / X`` for the 2D torus, ``count / Y`` when ``X`` is 1 or its columns run first, ``count / 2`` for
-    Swing, up to ``count`` on a rank that others fold into), a full-size working copy for reduce-scatter,
-    pinned host and device mirrors for GPU buffers; :meth:`free_buffers` releases them.
+    Calls keep their working buffers for the next call (a fresh allocation would cost page faults every step),
+    growing only; :meth:`free_buffers` releases them. Every argument in full: docs/api.md.
 
     Raises ``ValueError`` when ``dims`` does not multiply to the size. Collective: every rank constructs it.
     """

@@ -117,7 +117,7 @@ def markdown() -> str:
              "wins over its variable. Unset or empty means the default.", "",
              "| variable | default | type | what |", "|---|---|---|---|"]
     for name, k in KNOBS.items():
-        default = ("unset" if k.default in ("", None) else f"`{int(k.default)}`" if k.type == "flag"
+        default = ("unset" if k.default in ("", None) else f"`{int(bool(k.default))}`" if k.type == "flag"
                    else f"`{k.default}`")
         lines.append(f"| `{name}` | {default} | {k.type}{' (build)' if k.build else ''} | {k.doc} |")
     return "\n".join(lines) + "\n"

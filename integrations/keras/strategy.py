@@ -118,114 +118,41 @@ class _TorusExtended(compat.OneDeviceExtended):
 class TorusStrategy(tf.distribute.Strategy):
     """Synchronous data parallelism across the ranks of an MPI communicator, one replica per rank.
 
-    Usage, under ``mpiexec -n N python train.py``::
-
-        strategy = TorusStrategy(algorithm="torus2d", compression="fp16")
-        with strategy.scope():
-            model = make_model()
-            model.compile(optimizer=LARS(...), loss=..., metrics=[...])
-        model.fit(strategy.shard(dataset).batch(per_rank_batch, drop_remainder=True),
-                  callbacks=[...], verbose=1 if strategy.is_chief else 0)
-
-    Each rank feeds its own shard with its per-rank batch (global batch = N x per-rank batch). Gradients are
-    fused into one buffer per dtype and all-reduced with ``TorusComm.allreduce`` (``algorithm``; where that is
-    the shared-memory transport, into a persistent shared buffer reduced in place, ``window.py``), optionally
-    sent as float16/bfloat16 (``compression``); sparse gradients (``tf.IndexedSlices``) are all-gathered as
-    IndexedSlices (``sparse.py``; ``sparse_as_dense=True`` densifies them into the fused buffer instead).
-
-    Inside ``fit`` / ``evaluate`` / ``predict`` (wrapped once per process, see ``fit_hook``), whatever callbacks
-    are passed and in any order:
-
-    - rank 0's model variables and optimizer state (slots, iteration count, loss scale) reach every rank before
-      the first update, after the user callbacks' ``on_train_begin`` (e.g. a restore); ``evaluate`` and
-      ``predict`` broadcast the model variables first too (``initial_state.py``);
-    - metric results are global: every metric's state variables are summed over ranks before ``result()``,
-      after every step and at the end of the epoch, exact for every Keras metric (``metrics.py``), so History,
-      EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger and ``evaluate``'s return value see the same
-      values on every rank and every rank takes the same decision; one small extra all-reduce per step;
-    - the gradients are all-reduced at the start of ``optimizer.apply`` (``gradients.py``), so
-      ``LossScaleOptimizer`` (``mixed_float16``) checks the summed gradient (a non-finite gradient on any rank
-      makes every rank skip the step and halve its loss scale), and ``clipnorm`` / ``global_clipnorm`` /
-      ``clipvalue`` clip the global gradient, both as one process on the global batch would;
-    - a model created, loaded or compiled outside ``strategy.scope()`` is moved under the strategy (its
-      optimizer too; the step functions are rebuilt), with a warning on the chief; a model of another
-      ``tf.distribute`` strategy is refused (``adopt.py``).
-
-    Custom loops, MirroredStrategy-style (tf.distribute's contract, as under ``MultiWorkerMirroredStrategy`` with
-    one worker per rank): ``strategy.run(fn, args)`` runs ``fn`` once, on this rank, in a replica context whose
-    ``num_replicas_in_sync`` is the number of ranks (``tf.nn.compute_average_loss`` then averages over the global
-    batch); the Keras optimizer's ``apply_gradients``, the replica context's ``all_reduce`` and
-    ``strategy.reduce`` sum (or average) across ranks.
-
-    - ``distribute_datasets_from_function(dataset_fn)`` calls ``dataset_fn`` once with a
-      ``tf.distribute.InputContext`` of ``num_input_pipelines`` = ranks, ``input_pipeline_id`` = rank and
-      ``num_replicas_in_sync`` = ranks (``get_per_replica_batch_size(B)`` is ``B // ranks``; TF's ``ValueError``
-      where it does not divide), and returns its dataset as it is: this rank's batches, a plain ``tf.data``
-      dataset marked per rank, which ``fit`` and the loop take without splitting it again.
-    - ``experimental_distribute_dataset(dataset)`` of global batches gives this rank's contiguous slice of every
-      batch (``inputs.split_batches``), marked per rank too.
-    - Every variable created under ``scope()`` starts from rank 0's initial value, broadcast at creation
-      (``creation.py``), so a model built without a seed starts, and stays, equal on every rank in a custom
-      loop, in ``train_on_batch`` and in ``fit``. Optimizer slots created in the first step start equal by
-      construction (zeros) and are broadcast all the same. This is collective: every rank must create the same
-      variables under the scope in the same order; one of another shape or dtype raises ``MismatchError`` on
-      every rank, one created on some ranks only raises ``TimeoutError`` there after the stall timeout. Keras'
-      seed generator states take rank 0's plus ``rank * SEED_SPREAD`` (each rank its own random stream, as in
-      ``fit``). Variables created outside the scope keep each rank's values (``strategy.broadcast_variables``).
-    - ``tf.distribute.get_replica_context().replica_id_in_sync_group`` inside ``strategy.run`` (and Keras'
-      train step) is this rank.
-
-    ``strategy.callbacks()`` returns ``[]`` (kept for existing code). ``jit_compile=True`` is refused at the
-    start of ``fit`` / ``evaluate`` (XLA cannot compile the ``tf.numpy_function``); Keras' default ``"auto"``
-    resolves to False for a model compiled under the scope, but to True on a machine with a GPU for one
-    compiled outside it. Only the chief (rank 0) prints: the other ranks run with ``verbose=0`` and Keras' own
-callbacks' ``verbose`` set to 0 (``quiet.py``; user callbacks untouched). ``train_on_batch`` / ``test_on_batch`` are not
-    wrapped: they all-reduce gradients (Keras' own late all-reduce, so clipping and the loss-scale check stay
-    local) and return global metrics, but broadcast nothing and do not move a model created outside the scope.
-    ``BatchNormalization`` normalizes over each rank's part of the batch unless ``synchronized=True``.
-
-    ``model.save`` / ``save_weights`` / ``export`` and ``keras.saving.save_model`` of a model of the strategy
-    (``saving.py``): called on every rank, rank 0 writes the file once, atomically, and the other ranks wait
-    for its notice (bounded by the stall timeout; rank 0's error is raised on every rank); called on rank 0
-    alone (``if strategy.is_chief:``), rank 0 writes it and nothing waits.
+    Usage, under ``mpiexec -n N python train.py``: ``strategy = TorusStrategy()``, build and compile the model
+    under ``with strategy.scope():``, then ``model.fit(x, y, batch_size=GLOBAL_BATCH, ...)`` with the same
+    arrays on every rank. Inside ``fit`` / ``evaluate`` / ``predict``, whatever callbacks are passed: rank 0's
+    variables and optimizer state reach every rank first; metric states are summed over ranks, so logs and
+    callback decisions are global; gradients are all-reduced at the start of ``optimizer.apply`` (before
+    clipping and the loss-scale check); files are written once. Custom loops follow tf.distribute's contract
+    (``strategy.run``, ``strategy.reduce``, ``distribute_datasets_from_function``); every variable created
+    under ``scope()`` starts from rank 0's value (collective: the same variables on every rank, in order).
+    The contract, every feature and its limits: docs/keras.md.
 
     Parameters
     ----------
     dims : (int, int), optional
-        The X x Y grid for ``TorusComm`` (default: TorusComm's, one axis along equal nodes, else
-        ``MPI.Compute_dims``).
+        The X x Y grid for ``TorusComm`` (default: TorusComm's).
     algorithm : str
         "auto", "ring", "hierarchical", "torus2d", "swing" or "native".
     compression : str
-        "none", "fp16" or "bf16": the wire format of the float32 gradient buffer (metric states always travel
-        uncompressed).
+        "none", "fp16" or "bf16": the wire format of the float32 gradient buffer.
     comm : mpi4py.MPI.Intracomm or TorusComm, optional
-        The ranks (default ``MPI.COMM_WORLD``); a ``TorusComm`` is used as is (``dims`` then ignored). Its stall
-        timeout (``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``, default 600 s) bounds every collective the
-        strategy issues, the initial broadcast included.
+        The ranks (default ``MPI.COMM_WORLD``); a ``TorusComm`` is used as is (``dims`` then ignored); its stall
+        timeout bounds every collective the strategy issues.
     device : str
         Where variables and compute live (default "/cpu:0").
     abort_on_exception : bool
-        Install ``torus.faults.abort_on_exception`` for the strategy's communicator (default True), so an
-        uncaught exception on any rank ends the whole job instead of leaving the other ranks waiting.
+        Install ``torus.faults.abort_on_exception`` for the strategy's communicator (default True).
     overlap : bool, optional
-        All-reduce the gradients in buckets on a communication thread while backprop still runs
-        (``buckets.py``). Default (None): ``TORUS_OVERLAP`` (``0``/``1``), else on where the ranks span several
-        nodes. The results equal overlap off up to float summation order, and are bitwise equal across ranks.
+        All-reduce the gradients in buckets on a communication thread during backprop. Default (None):
+        ``TORUS_OVERLAP``, else on where the ranks span several nodes.
     bucket_bytes : int, optional
         The bucket cap in bytes (default ``TORUS_BUCKET_BYTES``, else 25 MiB; the first bucket at most 1 MiB).
     sparse_as_dense : bool
-        False (default, Horovod's): a sparse gradient's rows and indices are all-gathered, so the optimizer gets
-        the IndexedSlices one process computes on the global batch (exact for optimizers that update sparse
-        gradients row by row, e.g. Adam); True: made dense and summed with the others (the whole variable on
-        the wire; within float rounding of one process only where the optimizer treats both alike).
+        False (default): sparse gradients are all-gathered as IndexedSlices; True: made dense and summed.
 
-    Where ``TORUS_TIMELINE=FILE`` is set, ``strategy.timeline`` records a Chrome trace of every rank's steps,
-    buckets and all-reduces, written at the end of each ``fit`` (``trace.py``; a custom loop calls
-    ``strategy.timeline.save()`` itself, on every rank); otherwise ``strategy.timeline`` is None.
-
-    Collective: every rank constructs it together. Raises ``ValueError`` for an unknown algorithm or
-    compression.
+    ``strategy.timeline`` records a Chrome trace where ``TORUS_TIMELINE=FILE`` is set, else None. Collective:
+    every rank constructs it together. Raises ``ValueError`` for an unknown algorithm or compression.
     """
 
     def __init__(self, dims=None, algorithm: str = "auto", compression: str = "none", comm=None,
