@@ -5,7 +5,7 @@ The rule. A measured figure is what a run reported about speed:
 - a rate: a number with a unit per second (``2.4 Gbit/s``, ``0.37 GB/s``, ``13 GiB/s``);
 - a ratio: a number with ``x`` (``0.9x``, ``2x faster``) or ``%`` (``10-20% faster``);
 - a duration on a line that says it was observed: a number with ``ns``, ``us``, ``µs``, ``ms``, ``s`` or
-  ``min`` and a word like took, measured, faster, slower, spent, costs, ran, median, against.
+  ``min`` (or the words) and a word like took, measured, faster, slower, spent, costs, ran, median, against.
 Not figures: settings and limits the code chooses (``default 600 s``, ``after 5 s``, ``up to 16 KiB``), sizes
 alone (``64 MiB``), grids (``2x2``), and a unit without a number (``Gbit/s``). The few lines that match the
 rule but are not measurements are in ALLOWED, each with its reason.
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RATE = re.compile(r"\d[\d.,]*\s*(?:[kKMGT]i?)?(?:B|bit|b)/s\b")
 RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x(?!\w)|\d+(?:\.\d+)?\s*%")
-DURATION = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s*(?:ns|us|µs|ms|s|min)\b")
+DURATION = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s*(?:ns|us|µs|ms|s|min|(?:micro|milli)?seconds|minutes)\b")
 OBSERVED = re.compile(r"\b(took|takes?|measured|faster|slower|spent|spends|costs?|ran|median|against)\b",
                       re.I)
 # (file, text on the line, why it is not a measurement)

@@ -1,47 +1,24 @@
 """A per-rank event recorder that writes one merged Chrome trace: what each rank did, and when, on one time axis.
 
-Made for the gradient-overlap work (a communication thread all-reduces gradient buckets while TensorFlow
-computes backprop): every rank records spans (the train step, each bucket's wait in the graph, each bucket's
-all-reduce on the communication thread, the metric all-reduce) and instants on named lanes; ``close()`` gathers
-them to rank 0, which writes one file in the Trace Event Format (JSON object form) that Perfetto
-(ui.perfetto.dev) and chrome://tracing open::
+Every rank records spans and instants on named lanes (the train step, each gradient bucket's wait and
+all-reduce, the metric all-reduce); ``close()`` gathers them to rank 0, which writes one file in the Trace
+Event Format that Perfetto (ui.perfetto.dev) and chrome://tracing open::
 
     from torus import timeline
     tl = timeline.from_env(comm)         # TORUS_TIMELINE=FILE; None when unset (callers then record nothing)
     with tl.region("train_step", "step", step=12):
-        t0 = time.perf_counter()
-        ...                              # bucket 3's all-reduce, on the communication thread
-        tl.span("allreduce", "comm", t0, time.perf_counter(), bytes=n, algorithm="torus2d", dtype="bfloat16",
-                bucket=3)
+        ...
+    tl.span("allreduce", "comm", t0, t1, bytes=n, algorithm="torus2d", bucket=3)
     tl.close()                           # collective: rank 0 writes FILE
 
-Contract:
-
-- ``Timeline(path, comm)``, ``save()`` (write what was recorded so far, keep recording) and ``close()`` are
-  collective over ``comm`` (every rank calls them, in the same order as its other collectives on ``comm``);
-  ``span``, ``region`` and ``instant`` are local, thread-safe, and cost one lock and one list append (about 2
-  microseconds a call on the 2-core test machine); after ``close`` they record nothing.
-- Times given to ``span`` are seconds from ``tl.clock`` (``time.perf_counter`` unless a test injects another);
-  ``t1 >= t0`` (a negative duration is written as 0).
-- The trace: one process per rank (``pid`` = rank, named ``rank R (hostname)``, sorted by rank), one thread per
-  lane (``tid`` = 1 + the lane's index in the ``lanes`` given to rank 0's constructor followed by the other lanes
-  in name order, so a lane has the same ``tid`` on every rank; named by ``thread_name`` events). Spans are
-  ``ph: "X"`` events with ``ts`` and ``dur``, instants ``ph: "i"`` (thread scope), both in microseconds (three
-  decimals) from rank 0's construction, on rank 0's clock. ``args`` are the keyword arguments (numbers, strings
-  and booleans as they are, numpy scalars as numbers, anything else (NaN too) as its ``str``).
-- Clocks: at construction and again at a collective close, each rank estimates the offset of rank 0's clock to
-  its own by ping-pongs with rank 0 (``PINGS`` of them; the one with the shortest round trip is kept, as NTP
-  does: rank 0's reading lies inside that round trip, so the estimate is off by at most half of it, the
-  ``error_s`` recorded per sample). An event at local time ``t`` is placed at ``t + offset(t)``, the offset
-  interpolated linearly between the two samples (which corrects a constant drift exactly) or constant with one.
-  ``otherData.ranks`` in the trace keeps every rank's samples, event count and drops.
-- Memory: a rank keeps its first ``max_events`` events and counts the rest (``dropped``, also shown as the
-  rank's process label in the viewer).
-- ``close()`` is idempotent: rank 0 writes ``path`` (to ``path.tmp<pid>`` first, then ``os.replace``: a reader
-  never sees half a file); no other rank writes anything. Where a rank is gone and a gather would hang,
-  ``close(collective=False)`` makes each rank write its own ``path.rank<R>`` (its events and its construction
-  offset sample; no message is sent), and ``python -m torus.timeline merge OUT IN...`` merges any set of them into
-  the trace ``close()`` would have written from those ranks (without the close-time drift sample).
+Contract: ``Timeline(path, comm)``, ``save()`` and ``close()`` are collective over ``comm`` (every rank, in the
+same order as its other collectives on ``comm``); ``span``, ``region`` and ``instant`` are local and
+thread-safe (one lock, one list append), and record nothing after ``close``. Times are seconds from
+``tl.clock``. Each rank's clock is mapped onto rank 0's by ping-pongs at construction and at close. A rank
+keeps its first ``max_events`` events and counts the rest. ``close()`` is idempotent and writes atomically;
+``close(collective=False)`` writes one ``path.rank<R>`` per rank where a gather would hang, and
+``python -m torus.timeline merge OUT IN...`` joins them. The trace's layout, the clock estimate and its error:
+docs/design.md, "The timeline".
 """
 from __future__ import annotations
 

@@ -1,43 +1,18 @@
 """``torus-sim --fit`` and ``--validate``: α, β, γ measured on this machine, and the model checked against
 measured ``TorusComm.allreduce`` times.
 
-``--fit`` (``mpiexec -n K``): α and β by least squares (Hockney's fit; relative residuals, so small messages
-count as much as large ones) on the time of one *ring exchange step*: every rank at once sends ``b`` bytes to
-its right neighbour and receives ``b`` from its left (``Sendrecv``), the slowest rank's time; γ as the slope of
-``torus.kernels.reduce_into`` time over bytes reduced, every rank reducing at once (float32 sum, the thread
-count ``TorusComm`` would give each rank); and ``alpha_executor``, the time per step of a one-element-per-rank
-ring all-reduce through ``TorusComm`` (the per-message cost the executor adds in Python).
-
-Why every rank at once, at the rank count being predicted: the model's constants describe the machine *as the
-job loads it*. With K ranks on C < K cores (4 on this 2-core machine) a rank runs a C/K share of a core and
-each step waits for its peer to be scheduled: a two-rank ping-pong with idle bystanders measures neither, and
-its constants under-predicted 4-rank times several-fold. Fitting at K (``--fit`` and ``--validate`` under the same
-``-n K``) keeps the schedules' structure -- steps, bytes, reductions per rank -- as the thing being tested.
-On a cluster with one rank per core the two fits agree; the ping-pong (``pingpong``) stays for reference.
-
-Across nodes (``TorusComm`` sees more than one): α and β are fitted within the nodes (each node's ranks
-exchanging along their own ring at once) and ``inter_alpha``/``inter_beta`` on the node leaders' ring, one
-flow per node link with the other ranks idle, as the hierarchical schedule loads the links (``fit_link``:
-latency from the smallest message, rate from the largest). The model prices
-every message on its own (no link shared by several flows), so where several ranks of a node send across at
-once (the 2D torus on a node grid, the ring with nodes dealt round robin) it predicts less than the link
-allows; see bench/README.md for the measured margin.
-
-On one node ``--fit`` also fits the shared-memory transport's constants (sim/shm.py): ``copy_beta`` as the slope
-of ``np.copyto`` time over bytes, slot by slot as the transport copies, every rank at once (``copy_rate``);
-``flag_alpha`` and ``call_alpha`` from shm all-reduces through ``TorusComm`` with the smallest slot (64 B per
-chunk and step, ``SHM_STEPS``), so that the bytes cost next to nothing and the time is the call plus its flag
-waits: the slope over the step count is two flags per step, the intercept the call (``shm_flags``); and
-``window_beta``, the copy of an in-place all-reduce of ``TorusComm.alloc`` buffers (a peer's chunk from its
-buffer into ours, neither in cache), as the slope of ``np.copyto`` between two whole buffers over bytes, every
-rank at once (``window_copy_rate``).
+``--fit`` (``mpiexec -n K``): α and β by least squares on the time of one ring exchange step, every rank at
+once; γ as the slope of ``torus.kernels.reduce_into`` time over bytes reduced, every rank at once; and
+``alpha_executor``, the per-step cost of a tiny ring all-reduce through ``TorusComm``. Across nodes also
+``inter_alpha``/``inter_beta`` on the node leaders' ring (``fit_link``); on one node the shared-memory
+transport's ``copy_beta``, ``flag_alpha``, ``call_alpha`` and ``window_beta``.
 
 ``--validate`` (``mpiexec -n K``, with ``--params`` from a ``--fit`` at the same K): for each algorithm and
-size, the median over iterations of the slowest rank's ``TorusComm.allreduce`` time, next to ``simulate`` with
-the fitted parameters (once with the fitted α, once with ``alpha_executor``) and the executor's segment size,
-on TorusComm's nodes (``layout_of``); on one node ``shm`` too, with the transport's slot, and with ``--alloc``
-``shm`` once more, measured in place on ``TorusComm.alloc`` buffers and predicted by ``run_window``'s replay
-(``simulate(..., alloc=True)``). Both write rank 0's numbers to ``--json``.
+size, the median of the slowest rank's ``TorusComm.allreduce`` time next to ``simulate`` with the fitted
+parameters. Both write rank 0's numbers to ``--json``.
+
+Why every rank at once and at the rank count being predicted, and how each constant is timed:
+docs/performance.md, "How --fit measures".
 """
 from __future__ import annotations
 

@@ -1,72 +1,16 @@
 """The shared-memory transport (``algorithm="shm"``, torus/runtime/shm.py) in the cost model: ranks on one node,
 no messages, copies and flags.
 
-What is priced is what ``src/_shm.pyx``'s ``run`` does on ``P`` ranks, step by step. A rank's window slot holds
-``slot`` bytes (``Cost.segment_bytes`` rounded up to a multiple of ``64·P`` as the transport does; None: the
-transport's default, ``SEGMENT_BYTES``); a reduction's step moves ``s = slot/P`` bytes of every chunk
-(``partition.chunks``), an all-gather's ``slot`` bytes of this rank's block. Per step ``i``, on rank ``r`` with
-``n_q`` bytes of chunk ``q`` in the step:
+What is priced is what ``src/_shm.pyx``'s ``run``, ``run_whole`` and ``run_window`` do on ``P`` ranks, step by
+step: per step a copy in of the peers' pieces (``copy_beta`` s/B), a join on the peers' flags
+(``flag_alpha``), the reduction of this rank's piece (``(P-1)·γ`` per byte), the copy out; a call pays
+``call_alpha`` once. ``replay`` runs these per-rank clocks over every step (any count); ``closed_form`` is the
+symmetric case. In-place all-reduces of ``TorusComm.alloc`` buffers copy between whole buffers at
+``window_beta``.
 
-1. copy in: the peers' pieces (all-reduce, reduce-scatter: ``Σ_{q≠r} n_q``; all-gather: ``n_r``) at
-   ``copy_beta`` s/B; for step 0 before the loop, for step ``i + 1`` during step ``i``, right after the
-   reduction (the transport's overlap with the peers' reductions); ``copied`` is published at the start of
-   the step, once the previous step's copy out is done;
-2. join: wait until every peer has published, plus ``flag_alpha`` (a flag store seen by another core);
-3. reduce the own piece from the ``P`` inputs: ``(P-1)·γ·n_r`` (γ per byte reduced, as ``reduce_into``; one
-   rank alone copies it instead, ``copy_beta·n_r``); all-reduce: copy it out (block by block as it is
-   reduced, ``copy_beta·n_r``), then publish ``reduced``;
-4. copy out the peers' pieces, ``r+1, r+2, ...``, each at ``copy_beta``; all-reduce: a peer's piece only
-   once its ``reduced`` is seen (its time plus ``flag_alpha``); all-gather: the join sufficed; reduce-scatter
-   copies nothing.
-
-An all-reduce of at most ``WHOLE_MAX_BYTES`` (and one slot) on ``P >= 2`` ranks takes the one-step path
-instead: copy all ``M`` bytes in, join, reduce all of them from the ``P`` slots: ``call + b·M + a + (P-1)·γ·M``.
-
-A call also pays ``call_alpha`` once (TorusComm's Python work around the step loop). ``replay`` runs these
-per-rank clocks over every step (any count: uneven chunks, empty pieces skip their reduction and their wait);
-``closed_form`` is the symmetric case (``P`` divides the count, every chunk a whole number ``S`` of steps):
-
-- all-reduce: ``call + (P-1)·b·s + S·(a + (P-1)·γ·s + P·b·s) + (S-1)·max(a, (P-1)·b·s) + a``,
-  ``s = slot/P``: after its reduction and own copy out a rank copies in the next step while the peers'
-  ``reduced`` arrive, hence the ``max`` (the last step has no next copy in: it waits the whole ``a``);
-- reduce-scatter: ``call + S·(a + (P-1)·(b + γ)·s)``;
-- all-gather: ``call + S·(a + P·b·s)`` with ``s = slot``;
-
-(``a = flag_alpha``, ``b = copy_beta``). Bytes: copied in ``(P-1)/P·M`` (all-gather ``M/P``), reduced
-``(P-1)/P·M``, as the transport's docstring counts them. Flags on the critical path: 2 per step for an
-all-reduce, 1 otherwise.
-
-Buffers in the window (``alloc=True``: an in-place all-reduce of a ``TorusComm.alloc`` buffer, ``run_window``;
-every size, no one-step path, no segments, so no slot): each rank's buffer is its input and its output, and the
-peers read it where it lies. On rank ``r``, ``n_q`` bytes of chunk ``q`` (``partition.chunks``):
-
-1. publish ``copied`` at once (no copy in: the buffer holds the input);
-2. join: every peer's ``copied``, plus ``flag_alpha``;
-3. reduce the own chunk in place from the ``P`` buffers, ``(P-1)·γ·n_r`` (one pass per peer over the whole
-   chunk, ``acc = acc + peer``: what ``--fit`` times for γ, ``reduce_into`` of whole buffers), then publish
-   ``reduced``;
-4. for each peer ``r+1, r+2, ...``: wait for its ``reduced`` (its time plus ``flag_alpha``; an empty chunk is
-   waited for too, the code waits before it looks at the count), then copy its chunk from its buffer into ours
-   at ``window_beta`` s/B;
-5. publish the closing ``copied`` and wait for every peer's (plus ``flag_alpha``): nobody writes its buffer
-   again while a peer still reads it.
-
-Why ``window_beta`` and not ``copy_beta``: ``run``'s copies have one side in cache (the slot, a few hundred
-KiB that stay in L2 between copy in, reduction and copy out), and ``copy_beta`` is fitted so (``np.copyto``
-slot by slot into one hot buffer). Step 4 copies between two whole buffers, neither in cache once they are
-larger than the caches: the source read from memory, the destination read for ownership and written back.
-``--fit`` times that (``np.copyto`` between two whole buffers of 64 KiB-32 MiB, every rank at once; the slope
-over bytes, torus/sim/fit.py ``window_copy_rate``); unset, it is ``copy_beta``. A linear rate over-prices the
-copies of chunks that stay in cache (a few hundred KiB), where the truth lies between the two constants.
-
-Symmetric (``P`` divides the count; also count 0, which still runs the flags):
-``call + 3·a + (P-1)/P·M·(γ + w)`` (``w = window_beta``; one rank alone: ``call``, nothing to wait for, reduce or
-copy). Bytes per rank: copied ``(P-1)/P·M``, reduced ``(P-1)/P·M``; 3 flags published, 3 on the critical path
-(none for one rank).
-
-This follows ``run``, ``run_whole`` and ``run_window`` step for step as they are now; a change to the protocol
-needs its counterpart here and in the closed forms. Not modelled: waits when ranks outnumber cores (a
-scheduler hand-off, not a flag latency; bench/README.md), the caches at the sizes that fit them.
+A change to the protocol needs its counterpart here and in the closed forms. The model step by step, the
+closed forms, why ``window_beta`` and what is not modelled: docs/performance.md, "The shm transport in the
+model".
 """
 from __future__ import annotations
 
