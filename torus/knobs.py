@@ -40,14 +40,15 @@ KNOBS: dict[str, Knob] = {
     "TORUS_LINK_GBITS": Knob("", "str", "the link speed between nodes in Gbit/s, instead of measuring it"),
     "TORUS_GPU_REDUCE": Knob(None, "flag", "reduce GPU arrays on the GPU (1) or staged on the host (0); unset: "
                              "by size"),
-    "TORUS_NUM_THREADS": Knob(0, "int", "OpenMP threads of the host kernels (0: the cores split among the "
-                              "machine's ranks); read at import"),
+    "TORUS_NUM_THREADS": Knob(0, "int", "OpenMP threads of the host kernels, read at import (unset: TorusComm "
+                              "divides the CPUs among the machine's ranks)"),
     "TORUS_C_LOOP": Knob(True, "flag", "run the step loop in C (0: the Python loop)"),
-    # the shared-memory transport (torus/runtime/shm.py); read at import
-    "TORUS_SHM_WHOLE_BYTES": Knob(16 << 10, "int", "all-reduces up to this many bytes take the one-step path"),
+    # the shared-memory transport (torus/runtime/shm.py)
+    "TORUS_SHM_WHOLE_BYTES": Knob(16 << 10, "int", "all-reduces up to this many bytes take the one-step path; "
+                                  "read at import"),
     "TORUS_SHM_STREAM_BYTES": Knob(128 << 20, "int", "outputs from this many bytes are copied out with "
-                                   "non-temporal stores"),
-    "TORUS_SHM_YIELDS": Knob(64, "int", "flag polls between yields when ranks outnumber cores"),
+                                   "non-temporal stores; read at import"),
+    "TORUS_SHM_YIELDS": Knob(64, "int", "with more ranks than cores: yields of the core before a wait sleeps"),
     # faults (torus/faults.py)
     "TORUS_ABORT_TIMEOUT": Knob(10.0, "float", "seconds a failing rank waits for MPI_Abort before ending itself"),
     "TORUS_LEFT_GRACE": Knob(5.0, "float", "seconds an MPI wait goes on after a peer's Python exited; read at "
