@@ -19,16 +19,7 @@ group's blocks may be several runs of the buffer: one message per run. The all-r
 layout: chunk ``i`` of ``chunks(count, n)`` belongs to the rank at position ``i`` of an order in which every
 group is contiguous (``_order``), so each of its steps is one message.
 
-Any rank count (the paper handles it inside the schedule; this module folds instead, which is simpler and
-exactly correct): along an axis of ``n = 2**k + e`` ranks (``0 < e < 2**k``), each odd coordinate ``c < 2e``
-hands what it holds to ``c - 1`` just before the axis' first Swing step and idles until ``c - 1`` hands the
-result back, mirrored in the all-gather; until then it takes the steps of ``c - 1`` in its own row or column
-(``_Grid``). On a line that is the whole buffer; on a grid with one folded axis the other axis goes first,
-so half of it; with both folded, the row folds at the start and the column after one halving. A reduce-
-scatter gives the folded ranks their blocks in one more step per folded axis at the end; an all-gather takes
-their blocks in at the start. Cost against a power of two: two more steps per folded axis, on the critical
-path (all-reduce: ``α + (β+γ)m`` in and ``α + βm`` out, ``m`` the part folded; sim/closed_form.py); a partner
-``c - 1`` receives and sends ``m`` once more each on top of the core's ``2(2**k - 1)/2**k M``.
+Any rank count: folded onto a power of two along each axis (docs/design.md, "Swing at any rank count").
 
 Plans are pure and dtype-free: regions in elements of the working buffer, so one plan serves every dtype and
 op (the executor's kernels) in place and out of place (compile.py); any count, 0 and fewer elements than ranks

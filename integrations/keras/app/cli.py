@@ -1,7 +1,7 @@
 """``torus-train``: data-parallel ResNet-50 training under ``mpiexec`` (Mikami et al. 2018, arXiv:1811.05233).
 
 ``mpiexec -n 2 torus-train`` with no arguments trains ResNet-50 on the embedded digits set (see
-``digits.py``) to over 90 % validation top-1; ``--data DIR`` reads an ILSVRC2012 folder tree or ImageNet
+``digits.py``; README.md shows a run); ``--data DIR`` reads an ILSVRC2012 folder tree or ImageNet
 TFRecords (see ``data.py``). Each epoch runs ``model.fit`` for one epoch with that epoch's batch size from the
 batch-size schedule (the dataset is re-batched at epoch boundaries, every rank runs the same number of steps),
 then evaluates top-1/top-5 on the whole validation set (exact global counts), averages batch-norm moving
