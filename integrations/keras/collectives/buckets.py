@@ -24,14 +24,7 @@ here ``InvalidArgumentError`` as for any ``ValueError``, whose message starts wi
 equal across ranks; against one fused buffer they differ only by float summation order (chunks fall
 elsewhere).
 
-Every ``tf.numpy_function`` here is stateful, and TensorFlow's automatic control dependencies run stateful ops
-in program order: an all-reduce created before the optimizer's (``BatchNormalization(synchronized=True)``'s
-backward ones, made by ``tape.gradient``) gates the first start, so such a model trains correctly with nothing
-hidden.
-
-Time is kept per host: ``comm_seconds`` (on the thread), ``exposed_seconds`` (the waits, i.e. communication
-the step did not hide); and, where ``host.timeline`` is set, one span per bucket on the rank's ``comm`` lane
-and per wait on its ``wait`` lane, named ``bucket K ...``.
+Program order, the timing kept per host and the timeline spans: docs/design.md ("Gradient buckets").
 """
 from __future__ import annotations
 

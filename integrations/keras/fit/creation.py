@@ -26,16 +26,8 @@ never pairs with another collective:
   and ``abort_on_exception`` ends the job; the others' next collective times out too. Create rank-local
   variables outside the scope.
 
-Not broadcast (each rank keeps the value it computed): initial values that cannot be computed eagerly (one that
-depends on a tensor of the function being traced; TF1 graph mode) and dtypes without a fixed size (string,
-resource, variant); all ranks skip the same ones, no message is exchanged for them.
-
-Keras' seed generator states (``seed_generator_state``: Dropout and the other random layers, unseeded
-initializers' generators) take rank 0's value offset by ``rank * SEED_SPREAD`` in its first word, as fit's
-initial broadcast does (``initial_state.py``): each rank draws its own stream for its part of the batch.
-
-Cost: two small collectives per variable at creation (an all-gather of two int64 and the broadcast); one rank
-(``TorusComm`` of size 1): nothing. The measured build time is in FEATURES.md ("Custom loops").
+What is not broadcast, Keras' seed generator states and the cost: docs/design.md ("Initial values at
+creation").
 """
 from __future__ import annotations
 

@@ -5,26 +5,8 @@
 slice of each, rows ``[rank * B / N, (rank + 1) * B / N)``. One step at N ranks then equals one step of one
 process on the global batch (Keras scales each rank's loss by ``1 / N``; the all-reduce sums).
 
-What each kind of input does (Keras turns every kind into a ``tf.data`` dataset and hands it to the strategy;
-``split_batches`` below is where the split happens):
-
-- numpy arrays / tensors: split per global batch. With ``shuffle=True`` (fit's default) or ``"batch"`` the
-  rows are served by :class:`AgreedOrder` in the order :func:`epoch_order` gives for ``(seed, epoch)``: the
-  seed is drawn by rank 0 (from numpy's global generator, so ``keras.utils.set_random_seed`` makes it
-  reproducible) and broadcast, so every rank shuffles alike and a run resumed at epoch ``e`` sees epoch
-  ``e``'s order. ``validation_split`` is applied before, on the full arrays, as Keras does.
-- ``keras.utils.PyDataset``: its batches are global; with ``shuffle=True`` their order is
-  :func:`epoch_order` over batch indices (``use_multiprocessing=True`` with shuffling is refused: the
-  workers would not see the epoch).
-- Python generators and ``tf.data`` datasets the user batched with ``B``: global batches, split per batch.
-  Every rank must produce the same batches (same seed, same files). Generators go through :class:`Replay`
-  so that Keras' first-batch peek under a strategy loses none of them.
-- ``tf.data`` datasets marked as already per rank (``strategy.shard(dataset)`` or ``dataset.shard(N, rank)``
-  before batching, :func:`per_rank` on one built per rank, e.g. ``torus.integrations.keras.app.data``, and what
-  ``strategy.distribute_datasets_from_function`` and ``strategy.experimental_distribute_dataset`` return): used
-  as they are, each rank's batch is its share. Their step counts are compared across ranks when ``fit``
-  starts (unknown cardinality: one counting pass over the dataset) and equalised to the smallest with a
-  warning naming every rank's count (``dataset.take``).
+What each kind of input does (arrays, ``PyDataset``, generators, ``tf.data``, datasets marked per rank):
+docs/design.md ("Inputs"); ``split_batches`` below is where the split happens.
 
 Every rank passes the same arguments: where ``x`` is arrays / tensors the ranks first compare row counts,
 ``batch_size``, validation rows and a sampled crc32 of the arrays (``agree.py``) and refuse, on every rank

@@ -21,13 +21,8 @@ does under ``MirroredStrategy``); other entries are left as they are. A loss the
 ``1 / num_replicas_in_sync`` (Keras' built-in step unscales it before tracking); its global value is then the
 global loss over the number of ranks.
 
-A model with several outputs tracks each output's loss in ``CompileLoss``'s own ``Mean`` per output, which Keras
-updates with the batch's mean loss weighted by the batch's *static* row count (None inside the step function:
-weight 1), so one process reports the mean over batches of each batch's mean, the last partial batch counting
-as much as a full one. Under a ``TorusStrategy`` ``share_weighted`` wraps ``CompileLoss.call`` so that each rank
-weights its part of a batch by its share of the batch's rows (one small all-reduce of the row count per step,
-only for models with per-output trackers): summed over ranks every global batch then counts once with its
-global mean, as on one process, also where the rows split unevenly over the ranks.
+Several outputs' losses over unevenly split rows (``share_weighted``): docs/design.md ("Metrics of
+several outputs").
 
 Collective: under a ``TorusStrategy`` every call of ``model.get_metrics_result()`` (in a step or eagerly) and
 every custom step is one all-reduce that every rank must make; ranks must therefore run the same number of

@@ -27,28 +27,8 @@ For a model of a TorusStrategy:
   and none hangs. When it returns, rank 0's file is in place: ``keras.models.load_model`` / ``load_weights`` on
   any rank (same host, or a shared filesystem) gets rank 0's values.
 
-Which notice is "the same call": notices carry a *window*, the count of ``fit`` / ``evaluate`` / ``predict``
-starts and ends this process has run under a strategy (every rank runs the same ones, so the count agrees).
-A non-chief rank at window ``w`` skips notices of earlier windows (saves rank 0 made alone, before the last
-such boundary); a notice of window ``w`` naming the same function and path is its own. A notice of window ``w``
-for another path (MultiWorkerMirroredStrategy's idiom: rank 0 saves the real path, the others a temporary one
-of their own), or one of a later window (rank 0 made no save here), makes this rank write its own path itself
-(atomically, as above) instead of waiting.
-
-Failure modes, as chosen:
-
-- a save on rank 0 alone, then a save of the *same path* on every rank with no ``fit`` / ``evaluate`` /
-  ``predict`` in between: the other ranks take the first notice for theirs and may return before rank 0's
-  second write is in place (they then find the first, complete file);
-- a save on rank 0 alone of another path, then a save on every rank, again with no such call in between: the
-  other ranks write the second file too (each atomically, the last rename wins; under the strategy every rank
-  holds the same weights, so the file is the same);
-- a save on ranks other than 0 without rank 0 waits the stall timeout (``TORUS_TIMEOUT``, default 600 s) for
-  a notice that never comes, then raises ``torus.errors.TimeoutError`` naming the call, rank 0 and the path.
-
-A callback's save on rank 0 alone inside ``fit`` leaves a notice the others skip once ``fit`` has ended. Keras'
-``ModelCheckpoint`` and ``BackupAndRestore`` inside ``fit`` do not come here: ``files.py`` writes on rank 0
-alone (with ``atomic``, inside ``local()``) and the others do nothing.
+Which notice is "the same call" on the other ranks, and the failure modes chosen there: docs/design.md
+("Saving on every rank").
 """
 from __future__ import annotations
 
