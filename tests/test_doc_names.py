@@ -1,12 +1,13 @@
 """Every ``torus.`` dotted name and every repository path that the docs name exists, so a rename that forgets
 a docstring or a page fails here.
 
-Scanned: the docstrings and comments of the Python files under torus/ and integrations/, README.md and
-docs/*.md. A dotted name ``torus.a.b.c`` must import as far as it is a module and resolve by getattr after
-that (a class attribute, method or property; not an attribute set on instances). A path starting with one
-of the repository's folders (``torus/``, ``src/``, ``integrations/``, ``tests/``, ``bench/``, ``docs/``) must
-exist; ``*`` and ``{a,b}`` in it are expanded as a shell would, and one match is enough. Modules that
-need TensorFlow are imported too, so this test needs the ``[tf]`` extra.
+Scanned: the docstrings and comments of the Python files under torus/ and integrations/, README.md, docs/*.md,
+bench/README.md and the pages under integrations/ (FEATURES.md, HOROVOD.md). A dotted name ``torus.a.b.c`` must
+import as far as it is a module and resolve by getattr after that (a class attribute, method or property; not an
+attribute set on instances). A path starting with one of the repository's folders (``torus/``, ``src/``,
+``integrations/``, ``tests/``, ``bench/``, ``docs/``) must exist; ``*`` and ``{a,b}`` in it are expanded as a shell
+would, and one match is enough. Modules that need TensorFlow are imported too, so this test needs the ``[tf]``
+extra.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOTTED = re.compile(r"(?<![\w./-])torus(?:\.[A-Za-z_]\w*)+")
-PATH = re.compile(r"(?<![\w./~-])(?:torus|src|integrations|tests|bench|docs)/[\w.*{},/-]*[\w*}]")
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PATH = re.compile(r"(?<![\w./~-])(?:torus|src|integrations|tests|bench|docs)/[\w.*{},/$-]*[\w*}]")
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
+         *sorted((ROOT / "integrations").rglob("*.md"))]
 SOURCES = [p for d in ("torus", "integrations") for p in sorted((ROOT / d).rglob("*.py"))
            if not (d == "torus" and "integrations" in p.relative_to(ROOT / d).parts[:1])]
 
@@ -70,8 +72,11 @@ def _expand(path: str) -> list[str]:
 
 
 def _exists(path: str) -> bool:
-    path = path.rstrip(".,")
-    return any((ROOT / p).exists() or any(ROOT.glob(p)) for p in _expand(path))
+    """``$var`` (a shell loop's variable) matches anything; under bench/results/ a path may be an output stem
+    (``--out bench/results/native_peers`` writes ``native_peers.txt`` and ``.json``)."""
+    path = re.sub(r"\*+", "*", re.sub(r"\$\w+", "*", path.rstrip(".,")))
+    stem = "*" if path.startswith("bench/results/") and not path.endswith("*") else ""
+    return any((ROOT / p).exists() or any(ROOT.glob(p + stem)) for p in _expand(path))
 
 
 def _found():
