@@ -49,6 +49,7 @@ TRAIN = "torus.integrations.keras.app.cli"
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--summary", "/no/such/dir/s.json"], "folder /no/such/dir does not exist"),
     (["--data", "/no/such/folder"], "--data /no/such/folder: no such folder"),
+    (["--epochs", "1", "--warmup-epochs", "1"], "--warmup-epochs 1 must be below --epochs 1"),
 ])
 def test_train_usage_error_is_one_line_before_tensorflow(no_tensorflow, args, expected):
     proc = _job(TRAIN, *args, pythonpath=no_tensorflow)
@@ -56,6 +57,13 @@ def test_train_usage_error_is_one_line_before_tensorflow(no_tensorflow, args, ex
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("torus-train: error: ") and expected in lines[0], proc.stderr
+
+
+def test_train_default_warmup_fits_a_short_run():
+    from torus.integrations.keras.app.cli import DEFAULTS, parse_args
+    assert parse_args([]).warmup_epochs == DEFAULTS["warmup_epochs"]
+    assert parse_args(["--epochs", "1"]).warmup_epochs == 0.5  # half of the run: the default would refuse it
+    assert parse_args(["--epochs", "1", "--warmup-epochs", "0.25"]).warmup_epochs == 0.25
 
 
 def test_train_help_prints_once(no_tensorflow):

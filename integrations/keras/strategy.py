@@ -27,7 +27,7 @@ import tensorflow as tf
 from torus import TorusComm, faults
 from torus.integrations.keras import compat
 from torus.integrations.keras.collectives import trace
-from torus.integrations.keras.collectives.loop import HostAllreduce, broadcast_variables
+from torus.integrations.keras.collectives.loop import HostAllreduce, broadcast_variables, wait_for_every_rank
 from torus.integrations.keras.collectives.sparse import reduce_gradients
 from torus.integrations.keras.fit import fit_hook, inputs, saving
 from torus.integrations.keras.fit.creation import InitialValues
@@ -197,6 +197,15 @@ class TorusStrategy(tf.distribute.Strategy):
         shuffling with a per-rank seed and before batching. The result is marked per rank
         (``inputs.per_rank``): fit takes its batches as this rank's share instead of splitting them."""
         return inputs.per_rank(dataset.shard(self.size, self.rank))
+
+    def barrier(self) -> None:
+        """Return once every rank has called ``barrier`` (collective; ``MPI_Ibarrier`` on this strategy's
+        communicator). Bounded by the stall timeout: ``torus.errors.TimeoutError`` naming this rank where some
+        rank never comes. For what one rank does alone that the others then read, e.g.
+        ``if strategy.is_chief: model.save(path)`` followed by ``keras.models.load_model(path)`` on every rank
+        (``fit`` itself returns only once rank 0's ``ModelCheckpoint`` / ``BackupAndRestore`` files are in
+        place)."""
+        wait_for_every_rank(self.torus_comm, "TorusStrategy.barrier")
 
     def allreduce_gradients(self, grads, op: str = "avg"):
         """All-reduce of a gradient list for custom loops (mean over ranks by default): dense ones as in

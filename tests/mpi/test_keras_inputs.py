@@ -240,7 +240,7 @@ def test_hand_sharded_arrays_are_refused_before_any_step(world, strategy):
         assert said.startswith(f"TorusStrategy {method} on rank {rank}: ranks passed different"), said
         assert _same_everywhere(world, said.split(": ", 1)[1]), said
         if "x (" in said or "row count" in said:
-            assert "do not shard them yourself (x[rank::size])" in said and "strategy.shard(" in said, said
+            assert "not a shard (x[rank::size])" in said and "inputs.per_rank(" in said, said
     for got, want in zip(model.get_weights(), fresh.get_weights()):
         np.testing.assert_array_equal(got, want)
 

@@ -67,8 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate per --base-batch images "
                    "(linear scaling: the peak follows the global batch)")
     p.add_argument("--base-batch", type=int, default=d["base_batch"], metavar="N", help="batch --lr refers to")
-    p.add_argument("--warmup-epochs", type=float, default=d["warmup_epochs"], metavar="E",
-                   help="linear warm-up from 0 to the peak rate, then poly decay (power 2) to 0")
+    p.add_argument("--warmup-epochs", type=float, default=None, metavar="E",
+                   help=f"linear warm-up from 0 to the peak rate, then poly decay (power 2) to 0 (default: "
+                        f"{d['warmup_epochs']:g}, or half of --epochs where that is less)")
     p.add_argument("--momentum", type=float, default=d["momentum"], help="optimizer momentum")
     p.add_argument("--weight-decay", type=float, default=d["weight_decay"], help="L2 weight decay")
     p.add_argument("--trust", type=float, default=d["trust"], help="LARS trust coefficient")
@@ -131,6 +132,8 @@ def _check(p, args, size: int | None) -> None:
         p.error(f"--image-size {args.image_size}: ResNet-50 needs at least 32 pixels (--model tiny takes less)")
     if args.num_classes is not None and args.num_classes < 2:
         p.error(f"--num-classes {args.num_classes}: must be at least 2")
+    if args.warmup_epochs is None:
+        args.warmup_epochs = min(DEFAULTS["warmup_epochs"], args.epochs / 2)
     for name in ("lr", "weight_decay", "trust", "warmup_epochs"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name):g}: must be >= 0")

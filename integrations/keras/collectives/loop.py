@@ -253,6 +253,17 @@ def stall_timeout(torus_comm):
     return torus_comm._executor.timeout
 
 
+def wait_for_every_rank(torus_comm, what: str) -> None:
+    """``MPI_Ibarrier`` on ``torus_comm``'s communicator, waited at most the stall timeout without progress,
+    else ``torus.errors.TimeoutError`` naming ``what`` and this rank. Collective; nothing at one rank."""
+    if torus_comm.size == 1:
+        return
+    timeout, rank = stall_timeout(torus_comm), torus_comm.rank
+    faults.wait(torus_comm.comm.Ibarrier(), timeout, lambda: (
+        f"{what} on rank {rank}: no progress for {timeout:g} s waiting for every rank: some rank did not "
+        "get here (it raised, exited, is stuck, or skipped this call); abort the job"))
+
+
 def gather_records(comm, mine: np.ndarray, timeout, stalled) -> np.ndarray:
     """Every rank's int64 record ``mine`` (the same length on every rank), shape ``(comm.size, mine.size)``:
     one ``MPI_Iallgather`` over ``comm``, waited at most ``timeout`` s without progress, else

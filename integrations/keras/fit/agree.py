@@ -164,8 +164,10 @@ def agree_arrays(strategy, method: str, arguments: dict) -> None:
     hints = []
     if _DATA.intersection(differ):
         hints.append("TorusStrategy takes the same global arrays on every rank and gives each rank its part of "
-                     "every batch; do not shard them yourself (x[rank::size]) -- or pass per-rank data as "
-                     "strategy.shard(tf.data.Dataset...)")
+                     "every batch: pass the whole arrays on every rank, not a shard (x[rank::size]); arrays each "
+                     "rank already holds its own share of go in as torus.integrations.keras.fit.inputs.per_rank("
+                     "tf.data.Dataset.from_tensor_slices((x, y)).batch(per_rank_batch)), not through "
+                     "strategy.shard (which would shard them again)")
     if set(differ) - _DATA:
         hints.append("Pass the same arguments on every rank (batch_size is the global batch)")
     raise MismatchError(f"TorusStrategy {method} on rank {rank}: ranks passed different {', '.join(parts)}. "

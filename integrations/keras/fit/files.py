@@ -21,6 +21,7 @@ import json
 import keras
 
 from torus.integrations.keras import compat
+from torus.integrations.keras.collectives.loop import wait_for_every_rank
 from torus.integrations.keras.compat import file_utils
 from torus.integrations.keras.fit import saving
 from torus.integrations.keras.fit.inputs import torus_strategy_of
@@ -141,3 +142,15 @@ def rank_aware_callbacks(call) -> None:
     members = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else callbacks or []
     for callback in members:
         make_rank_aware(callback, strategy)
+
+
+def files_in_place(call, result):
+    """fit_hook stage "result" of ``fit``: every rank returns only once rank 0 has written what its file
+    callbacks write at the end of training (the last ``ModelCheckpoint``, ``BackupAndRestore``'s removal), so
+    a ``keras.models.load_model`` of a checkpoint right after ``fit`` finds it on every rank. Unconditional
+    (one barrier per ``fit``, nothing at one rank), since ranks may pass their file callbacks differently
+    (Horovod's ``if rank == 0: callbacks.append(ModelCheckpoint(...))``)."""
+    strategy = torus_strategy_of(call.arguments["self"])
+    if call.method == "fit" and strategy is not None:
+        wait_for_every_rank(strategy.torus_comm, "TorusStrategy fit (its end, waiting for rank 0's files)")
+    return result

@@ -50,6 +50,7 @@ PIPELINE = (
     ("callbacks", "fit.initial_state", "add_initial_state"),
     ("callbacks", "collectives.trace", "add_step_timeline"),
     ("result", "fit.inputs", "gather_predictions"),
+    ("result", "fit.files", "files_in_place"),
     ("result", "fit.saving", "count_end"),
 )
 

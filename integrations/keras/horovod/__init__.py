@@ -33,6 +33,7 @@ from torus.integrations.keras.horovod.collectives import (
                                                      allgather,
                                                      allgather_object,
                                                      allreduce,
+                                                     barrier,
                                                      broadcast,
                                                      broadcast_object,
                                                      broadcast_variables,
@@ -42,5 +43,5 @@ from torus.integrations.keras.horovod.optimizer import DistributedOptimizer, loa
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "allreduce", "allgather", "broadcast", "broadcast_object", "allgather_object",
-           "broadcast_variables", "Average", "Sum", "Min", "Max", "Product", "Compression",
+           "broadcast_variables", "barrier", "Average", "Sum", "Min", "Max", "Product", "Compression",
            "DistributedOptimizer", "load_model", "callbacks"]

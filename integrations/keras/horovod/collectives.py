@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from torus.integrations.keras.collectives.loop import HostAllreduce, allreduce_tensors
+from torus.integrations.keras.collectives.loop import HostAllreduce, allreduce_tensors, wait_for_every_rank
 from torus.integrations.keras.collectives.loop import broadcast_variables as _bcast_vars
 from torus.integrations.keras.horovod.basics import rank, size, torus_comm
 from torus.integrations.keras.horovod.compression import Compression, wire_format
@@ -202,3 +202,10 @@ def broadcast_variables(variables, root_rank):
     """Assign rank ``root_rank``'s values to ``variables`` (Keras or tf variables; same shapes, dtypes and
     order on every rank). Eager only (``torus.integrations.keras.collectives.loop.broadcast_variables``)."""
     _bcast_vars(torus_comm(), list(variables), _root("hvd.broadcast_variables", root_rank))
+
+
+def barrier() -> None:
+    """Horovod's ``hvd.barrier()``: return once every rank has called it (collective), bounded by the stall
+    timeout (``torus.errors.TimeoutError`` naming this rank where some rank never comes). E.g. between
+    ``if hvd.rank() == 0: model.save(path)`` and a ``load_model(path)`` on every rank."""
+    wait_for_every_rank(torus_comm(), "hvd.barrier")
