@@ -23,10 +23,16 @@ def run(cmd: list[str], env: dict, limit_s: float, what: str) -> tuple[int, floa
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+    out, _ = finish(proc, limit_s, what)
+    return proc.returncode, time.monotonic() - t0, out
+
+
+def finish(proc: subprocess.Popen, limit_s: float, what: str) -> tuple[str, str | None]:
+    """``proc.communicate()`` of a process started with ``start_new_session=True``, bounded: past ``limit_s``
+    seconds its whole session is killed and the test fails naming ``what``. Returns (stdout, stderr)."""
     try:
-        out, _ = proc.communicate(timeout=limit_s)
+        return proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{what} still ran after {limit_s:g} s:\n{out[-3000:]}")
-    return proc.returncode, time.monotonic() - t0, out
+        out, err = proc.communicate()
+        pytest.fail(f"{what} still ran after {limit_s:g} s:\n{out[-3000:]}{err or ''}")

@@ -19,13 +19,14 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -104,16 +105,10 @@ def run(example: Example, folder: Path) -> tuple[int, str]:
         script.write_text(example.code)
         cmd, stderr = [sys.executable, str(script)], subprocess.PIPE
         if example.ranks:
-            mpiexec = os.path.join(bin_dir, "mpiexec")
-            cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(example.ranks), *cmd]
+            cmd = [jobs.mpiexec(), "-n", str(example.ranks), *cmd]
     proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
                             start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{example.page}:{example.line} still ran after {LIMIT_S} s:\n{out[-2000:]}{err or ''}")
+    out, err = jobs.finish(proc, LIMIT_S, f"{example.page}:{example.line}")
     if proc.returncode and example.lang == "python":
         pytest.fail(f"{example.page}:{example.line} exited {proc.returncode}:\n{out[-2000:]}\n{(err or '')[-3000:]}")
     return proc.returncode, out

@@ -27,10 +27,9 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from torus import faults
 from torus.errors import MismatchError
 from torus.integrations.keras import compat
-from torus.integrations.keras.collectives.loop import stall_timeout
+from torus.integrations.keras.collectives.loop import gather_records, stall_timeout
 
 NOT_A_DATASET = -1
 PER_RANK = -2
@@ -103,10 +102,9 @@ def agree_datasets(strategy, method: str, arguments: dict) -> None:
     names = ("x", "validation_data") if method == "fit" else ("x",)
     mine = [_record(strategy, arguments.get(name)) for name in names]
     row = np.array([v for v, _ in mine] + [int(u) for _, u in mine], np.int64)
-    every = np.empty((strategy.size, row.size), np.int64)
     tc, rank = strategy.torus_comm, strategy.rank
     timeout = stall_timeout(tc)
-    faults.wait(tc.comm.Iallgather(row, every), timeout, lambda: (
+    every = gather_records(tc.comm, row, timeout, lambda: (
         f"TorusStrategy {method} on rank {rank}: no progress for {timeout:g} s comparing every rank's datasets: "
         f"some rank did not call {method} (it raised, exited or is stuck); abort the job"))
     for k, name in enumerate(names):
