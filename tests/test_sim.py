@@ -36,7 +36,7 @@ def test_counts_match_closed_form(X, Y, algorithm, collective):
     layout = Layout(X, Y, L)
     N = layout.N
     for count in _counts(N):
-        r = simulate(algorithm, collective, layout, count, "float64", COST1, "full")
+        r = simulate(algorithm, collective, layout, count, "float64", COST1, "full", shm_phases=False)
         M = count * 8
         back = sum(chunks(count, N)[0][w] * 8 for w in swing.folded(X, Y)) if algorithm == "swing" else 0
         sent, reduced = closed_form.sent_per_rank(collective, N, M, back), (N - 1) / N * M
@@ -66,7 +66,7 @@ def test_time_matches_closed_form(X, Y, algorithm, collective, cost):
     count = 12 * N * N
     if algorithm == "swing" and collective != "allreduce":
         pytest.skip("swing: a closed form for the all-reduce only (closed_form.time)")
-    r = simulate(algorithm, collective, layout, count, "float32", cost, "full")
+    r = simulate(algorithm, collective, layout, count, "float32", cost, "full", shm_phases=False)
     if algorithm == "ring" and cost.inter_alpha is not None and layout.nodes > 1:
         expect = closed_form.time(algorithm, collective, count * 4, cost.inter_alpha, cost.inter_beta,
                                   cost.gamma, N)
@@ -84,8 +84,8 @@ def test_inter_node_bytes_paper_forms():
     layout = Layout(4, 6, 4)
     count = 4 * 6 * 100
     M = count * 4
-    h = simulate("hierarchical", "allreduce", layout, count, "float32", COST2, "full")
-    t = simulate("torus2d", "allreduce", layout, count, "float32", COST2, "full")
+    h = simulate("hierarchical", "allreduce", layout, count, "float32", COST2, "full", shm_phases=False)
+    t = simulate("torus2d", "allreduce", layout, count, "float32", COST2, "full", shm_phases=False)
     assert h.inter_rank_max == pytest.approx(closed_form.inter_node_per_rank("hierarchical", 24, 4, 4, M))
     assert t.inter_rank_max == pytest.approx(closed_form.inter_node_per_rank("torus2d", 24, 4, 4, M))
     assert t.inter_rank_max == pytest.approx(h.inter_rank_max / 4)
@@ -111,8 +111,8 @@ def test_orbit_equals_full_replay(X, Y, L, algorithm, collective, shared):
     layout = Layout(X, Y, L)
     cost = Cost(1e-6, 1e-10, 3e-10, 5e-6, 4e-10, segment_bytes=256, shared_links=shared)
     for count in (layout.N - 1, 37 * layout.N + 5):
-        full = simulate(algorithm, collective, layout, count, "float32", cost, "full").as_dict()
-        fast = simulate(algorithm, collective, layout, count, "float32", cost, "orbit").as_dict()
+        full = simulate(algorithm, collective, layout, count, "float32", cost, "full", shm_phases=False).as_dict()
+        fast = simulate(algorithm, collective, layout, count, "float32", cost, "orbit", shm_phases=False).as_dict()
         assert fast.pop("method") == "orbit" and full.pop("method") == "full"
         for k, v in full.items():
             assert fast[k] == (pytest.approx(v, rel=1e-12) if isinstance(v, float) else v), k

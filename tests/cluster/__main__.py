@@ -1,4 +1,4 @@
-"""python -m tests.cluster up K [--rate 2gbit] | down | status | run [--ppn N] -- MPIEXEC_ARGS... | test
+"""python -m tests.cluster up K [--rate 2gbit] | down | status | run [--ppn N] [--round-robin] -- MPIEXEC_ARGS... | test
 
 ``up`` leaves the cluster running (and prints the mpiexec line to use); ``down`` removes it; ``run`` launches
 ``mpiexec`` on the running cluster (``python -m tests.cluster run --ppn 2 -- -n 4 python x.py``); ``test`` makes
@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     sub.add_parser("status", help="hosts and the processes inside them")
     run = sub.add_parser("run", help="mpiexec on the running cluster")
     run.add_argument("--ppn", type=int, default=1, help="ranks per host, in blocks of consecutive ranks")
+    run.add_argument("--round-robin", action="store_true",
+                     help="ranks dealt out one per host in turn (hydra's -hosts h1,h2 without slots)")
     run.add_argument("mpiexec_args", nargs=argparse.REMAINDER)
     test = sub.add_parser("test", help="run the cluster suites on clusters of their own")
     test.add_argument("--quick", action="store_true", help="only the node-detection and fault tests")
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
                 print(f"  {pid} {cmd[:160]}")
         return 0
     extra = args.mpiexec_args[1:] if args.mpiexec_args[:1] == ["--"] else args.mpiexec_args
-    return subprocess.run(cluster.mpiexec(args.ppn) + extra, env=child_env(), check=False).returncode
+    command = cluster.mpiexec(args.ppn, round_robin=args.round_robin) + extra
+    return subprocess.run(command, env=child_env(), check=False).returncode
 
 
 if __name__ == "__main__":

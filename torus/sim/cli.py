@@ -28,6 +28,7 @@ from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
 from torus.sim.plans import ALGORITHMS as SCHEDULES
 from torus.sim.plans import COLLECTIVES
 from torus.sim.simulate import ALGORITHMS, simulate
+from torus.topology import node_dims
 
 
 def _list(kind, choices=None):
@@ -58,6 +59,19 @@ def _dims(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected XxY, e.g. 32x68") from None
     return x, y
+
+
+def layout_for(args, n: int) -> Layout:
+    """The Layout of ``n`` ranks for ``--ranks-per-node``, ``--placement`` and ``--dims`` (default: the grid
+    TorusComm picks, torus.topology.node_dims, where it has one, else ``default_dims``)."""
+    L = args.ranks_per_node
+    if n % L:
+        raise ValueError(f"torus-sim: {n} ranks are not a whole number of nodes of {L}")
+    node_of = [r // L for r in range(n)] if args.placement == "block" else [r % (n // L) for r in range(n)]
+    dims = args.dims or node_dims(node_of) or default_dims(n)
+    if dims[0] * dims[1] != n:
+        raise ValueError(f"torus-sim: dims {dims[0]}x{dims[1]} do not multiply to {n} ranks")
+    return Layout.placed(dims[0], dims[1], node_of)
 
 
 def default_dims(n: int) -> tuple[int, int]:
@@ -93,7 +107,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dims", type=_dims, default=None, metavar="XxY",
                     help="grid, X*Y = --ranks (default: as square as possible)")
     ap.add_argument("--nbytes", type=_list(_size), default="100M", metavar="SIZE[,SIZE...]",
-                    help="buffer sizes in bytes (K, M, G: binary)")
+                    help="buffer sizes in bytes (K, M, G: binary); --validate: the sizes measured (default "
+                         "4K,64K,1M,16M)")
     ap.add_argument("-b", "--minbytes", type=_size, default="1K", metavar="SIZE", help="--sweep: smallest size")
     ap.add_argument("-e", "--maxbytes", type=_size, default="1G", metavar="SIZE", help="--sweep: largest size")
     ap.add_argument("-f", "--stepfactor", type=int, default=4, metavar="F", help="--sweep: size factor per step")
@@ -109,6 +124,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gamma", type=float, default=0.0, help="seconds per byte reduced")
     ap.add_argument("--ranks-per-node", type=int, default=1, metavar="L",
                     help="ranks per node (hierarchical's local size; the two cost levels)")
+    ap.add_argument("--placement", choices=("block", "round-robin"), default="block",
+                    help="ranks on nodes: consecutive ranks per node (block, hydra's -hosts h1:L,h2:L) or dealt "
+                         "out one by one (round-robin, -hosts h1,h2); without --dims the grid then follows "
+                         "the nodes as TorusComm's default grid does")
+    ap.add_argument("--shm-phases", action=argparse.BooleanOptionalAction, default=True,
+                    help="across nodes, replay what TorusComm runs by default: hierarchical's and torus2d's "
+                         "node-level phases over shared memory (priced by --copy-beta, --flag-alpha, "
+                         "--call-alpha); --no-shm-phases: the plain plans, as the closed forms")
+    ap.add_argument("--shm-slot-bytes", type=_size, default=None, metavar="SIZE",
+                    help="the node-level shared-memory phases' slot (default: the transport's, 256K)")
     ap.add_argument("--inter-alpha", type=float, default=None, help="seconds per message between nodes "
                     "(default: --alpha)")
     ap.add_argument("--inter-beta", type=float, default=None, help="seconds per byte between nodes "
@@ -250,10 +275,7 @@ def _step(args, cost: Cost, out: dict) -> int:
         if args.paper:
             layouts = [Layout(x, y, paper.RANKS_PER_NODE) for x, y in paper.GRIDS]
         else:
-            layouts = []
-            for n in args.ranks:
-                dims = args.dims or default_dims(n)
-                layouts.append(Layout(dims[0], dims[1], args.ranks_per_node))
+            layouts = [layout_for(args, n) for n in args.ranks]
         print(f"# torus-sim --step: {len(prof.buckets)} buckets, {sum(b.nbytes for b in prof.buckets) / 1e6:.1f} MB "
               f"({', '.join(f'{b.nbytes / 1e6:.1f}' for b in prof.buckets)}); compute alone {prof.compute:.4f} s "
               f"(backprop {prof.backprop:.4f} s + apply {prof.apply:.4f} s); {prof.source}")
@@ -303,6 +325,8 @@ def main(argv=None) -> int:
         return e.code if isinstance(e.code, int) else 2
     if args.fit or args.validate:
         from torus.sim import fit
+        given = any(a == "--nbytes" or a.startswith("--nbytes=") for a in argv)
+        args.nbytes_given = args.nbytes if given else None  # --validate's sizes (default fit.VALIDATE_SIZES)
         return fit.main(args, cost_from(args, argv))
     cost = cost_from(args, argv)
     out: dict[str, object] = {"command": "torus-sim " + " ".join(argv), "cost": cost.__dict__}
@@ -321,16 +345,13 @@ def main(argv=None) -> int:
         results = []
         print(HEADER)
         for n in args.ranks:
-            dims = args.dims or default_dims(n)
             try:
-                layout = Layout(dims[0], dims[1], args.ranks_per_node)
-                if layout.N != n:
-                    raise ValueError(f"torus-sim: dims {dims[0]}x{dims[1]} do not multiply to {n} ranks")
+                layout = layout_for(args, n)
                 for coll in args.collective:
                     for algo in args.algo:
                         for nbytes in sizes:
                             r = simulate(algo, coll, layout, nbytes // ITEMSIZE[args.dtype], args.dtype, cost,
-                                         args.method, args.alloc)
+                                         args.method, args.alloc, args.shm_phases)
                             results.append(r)
                             print(_row_text(r), flush=True)
             except (ValueError, SimulationError) as e:

@@ -4,8 +4,9 @@ measured ``TorusComm.allreduce`` times.
 ``--fit`` (``mpiexec -n K``): α and β by least squares on the time of one ring exchange step, every rank at
 once; γ as the slope of ``torus.kernels.reduce_into`` time over bytes reduced, every rank at once; and
 ``alpha_executor``, the per-step cost of a tiny ring all-reduce through ``TorusComm``. Across nodes also
-``inter_alpha``/``inter_beta`` on the node leaders' ring (``fit_link``); on one node the shared-memory
-transport's ``copy_beta``, ``flag_alpha``, ``call_alpha`` and ``window_beta``.
+``inter_alpha``/``inter_beta`` on the node leaders' ring (``fit_link``); on one node, or within every node at
+once on equal nodes, the shared-memory transport's ``copy_beta``, ``flag_alpha``, ``call_alpha`` and
+``window_beta``.
 
 ``--validate`` (``mpiexec -n K``, with ``--params`` from a ``--fit`` at the same K): for each algorithm and
 size, the median of the slowest rank's ``TorusComm.allreduce`` time next to ``simulate`` with the fitted
@@ -212,16 +213,16 @@ def inter_node_exchange(tc, sizes=PINGPONG_SIZES, reps: int = 50) -> list[tuple[
 
 
 def layout_of(tc) -> Layout:
-    """The simulator's layout of ``tc``: its grid, and its nodes when they are equal runs of consecutive
-    ranks (the only nodes a Layout describes); otherwise every rank on one node."""
+    """The simulator's layout of ``tc``: its grid and its nodes, in any placement."""
     X, Y = tc.dims
-    return Layout(X, Y, tc.local_size) if tc.topology.node_grid else Layout(X, Y, tc.size)
+    return Layout.placed(X, Y, tc.topology.node_of)
 
 
 def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical", "swing"),
              iters: int = 20, alloc: bool = False) -> list[dict]:
     """Measured all-reduce times on ``tc`` (a TorusComm) and, for each ``{name: Cost}``, the simulator's
-    prediction ``predicted_<name>`` on ``tc``'s nodes (``layout_of``); ``alloc``: then shm once more on
+    prediction ``predicted_<name>`` on ``tc``'s nodes (``layout_of``), phased as ``tc`` runs its calls
+    (``TorusComm.shm_phases``); ``alloc``: then shm once more on
     ``TorusComm.alloc`` buffers (rows with ``alloc`` true; every rank on one node). Collective."""
     X, Y = tc.dims
     layout = layout_of(tc)
@@ -234,7 +235,7 @@ def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d
                 if algo == "shm":  # priced at the transport's own slot, not the executor's segment
                     cost = dataclasses.replace(cost, segment_bytes=tc._shm.slot_bytes)
                 row[f"predicted_{name}"] = simulate(algo, "allreduce", layout, n // 4, "float32", cost,
-                                                    alloc=window).time
+                                                    alloc=window, shm_phases=tc.shm_phases).time
             rows.append(row)
     return rows
 
@@ -261,12 +262,17 @@ def main(args, cost: Cost) -> int:
         gamma, reduce_pts = reduce_rate(comm=comm)
         alpha_exec = executor_alpha(tc)
         nodes, per_node = tc.nodes, tc.local_size
+        # the shared-memory constants on one node, or within every node at once (the node-level phases)
+        node_comm = comm if nodes == 1 else tc.local_comm.Dup() if tc.topology.node_grid and per_node > 1 \
+            else None
         tc.Free()
         shm_fit: dict = {}
-        if nodes == 1:
-            copy_beta, copy_pts = copy_rate(comm)
-            window_beta, window_pts = window_copy_rate(comm)
-            flag, call, flag_pts = shm_flags(comm, copy_beta, gamma)
+        if node_comm is not None:
+            copy_beta, copy_pts = copy_rate(node_comm)
+            window_beta, window_pts = window_copy_rate(node_comm)
+            flag, call, flag_pts = shm_flags(node_comm, copy_beta, gamma)
+            if node_comm is not comm:
+                node_comm.Free()
             shm_fit = {"copy_beta": copy_beta, "flag_alpha": flag, "call_alpha": call, "window_beta": window_beta,
                        "copy": copy_pts, "window_copy": window_pts, "shm_steps": flag_pts}
         if rank == 0:
@@ -305,7 +311,9 @@ def main(args, cost: Cost) -> int:
                     json.dump(fitted, f, indent=1)
         return 0
     tc = TorusComm(check=False)
-    costs = {"fit": Cost(**{**cost.__dict__, "segment_bytes": tc.segment_bytes})}
+    slots = [t.slot_bytes for t in tc._executor.shm.values()]  # the node-level transports' (phased calls)
+    costs = {"fit": Cost(**{**cost.__dict__, "segment_bytes": tc.segment_bytes,
+                            "shm_slot_bytes": max(slots) if slots else None})}
     if args.params:
         with open(args.params) as f:
             params = json.load(f)
@@ -323,8 +331,9 @@ def main(args, cost: Cost) -> int:
                   f"{tc.nodes}")
         tc.Free()
         return 2
-    rows = validate(tc, costs, algorithms=("ring", "torus2d", "hierarchical", "swing") + (("shm",) if one_node else ()),
-                    alloc=args.alloc)
+    sizes = VALIDATE_SIZES if args.nbytes_given is None else args.nbytes_given
+    algorithms = ("ring", "torus2d", "hierarchical", "swing") + (("shm",) if one_node else ())
+    rows = validate(tc, costs, sizes, algorithms=algorithms, alloc=args.alloc)
     if rank == 0:
         print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {layout_of(tc).nodes} node(s) in the model, {load}; "
               f"predicted with {costs}")

@@ -40,7 +40,9 @@ class Cost:
     by the others; default ``alpha``) and ``call_alpha`` (seconds per call around its step loop; default 0),
     with ``gamma``; ``segment_bytes`` is then its slot (None: the transport's default); its in-place all-reduce
     of a ``TorusComm.alloc`` buffer also by ``window_beta`` (seconds per byte copied between two buffers, neither
-    in cache: a peer's reduced chunk from its buffer into ours; default ``copy_beta``)."""
+    in cache: a peer's reduced chunk from its buffer into ours; default ``copy_beta``). Across nodes the
+    node-level shared-memory phases of a phased call (sim/phased.py) run at the slot ``shm_slot_bytes``
+    (None: the transport's default, torus.runtime.shm.SEGMENT_BYTES), rounded up as the transport rounds it."""
     alpha: float = 1e-6
     beta: float = 1e-10
     gamma: float = 0.0
@@ -52,6 +54,7 @@ class Cost:
     flag_alpha: float | None = None
     call_alpha: float = 0.0
     window_beta: float | None = None
+    shm_slot_bytes: int | None = None
 
     def link(self, crossing):
         """(α, β) for a message, or arrays of them for a boolean array ``crossing``."""
@@ -66,15 +69,23 @@ class Cost:
 class Layout:
     """``N = X * Y`` ranks; rank ``r`` at column ``x = r % X`` of row ``y = r // X`` (as ``TorusComm``);
     nodes of ``ranks_per_node`` consecutive ranks, which are also the hierarchical schedule's local groups, or
-    (``node_sizes``, see ``uneven``) runs of consecutive ranks of those sizes, ``ranks_per_node`` then the
-    largest. Raises ValueError when the nodes do not cover the grid."""
+    (``node_sizes``, see ``uneven``) runs of consecutive ranks of those sizes, or (``node_of``, see ``placed``
+    and ``round_robin``) any placement, ``ranks_per_node`` then the largest node. Raises ValueError when the
+    nodes do not cover the grid."""
     X: int
     Y: int
     ranks_per_node: int = 1
     node_sizes: tuple | None = None
+    node_of: tuple | None = None
 
     def __post_init__(self):
-        if self.node_sizes is not None:
+        if self.node_of is not None:
+            used = sorted(set(self.node_of))
+            if len(self.node_of) != self.N or used != list(range(len(used))) or \
+                    self.ranks_per_node != max(self.node_of.count(n) for n in used):
+                raise ValueError(f"torus-sim: a placement of {len(self.node_of)} ranks on nodes {used} does not "
+                                 f"cover the grid {self.X}x{self.Y} (nodes numbered 0.. in use)")
+        elif self.node_sizes is not None:
             if sum(self.node_sizes) != self.N or min(self.node_sizes) < 1 or \
                     self.ranks_per_node != max(self.node_sizes):
                 raise ValueError(f"torus-sim: nodes of {list(self.node_sizes)} ranks do not cover the grid "
@@ -89,22 +100,46 @@ class Layout:
         sizes = tuple(int(n) for n in node_sizes)
         return cls(X, Y, max(sizes, default=0), sizes)
 
+    @classmethod
+    def placed(cls, X: int, Y: int, node_of) -> Layout:
+        """Rank ``r`` on node ``node_of[r]`` (nodes numbered in the order of their lowest rank, as
+        torus.topology); nodes of consecutive ranks become the equivalent ``Layout`` or ``uneven``."""
+        node_of = tuple(int(n) for n in node_of)
+        sizes = [node_of.count(n) for n in range(max(node_of, default=-1) + 1)]
+        if list(node_of) == [n for n, k in enumerate(sizes) for _ in range(k)] and sizes and min(sizes) > 0:
+            return cls(X, Y, sizes[0]) if len(set(sizes)) == 1 else cls.uneven(X, Y, sizes)
+        return cls(X, Y, max(sizes, default=0), None, node_of)
+
+    @classmethod
+    def round_robin(cls, X: int, Y: int, nodes: int) -> Layout:
+        """Rank ``r`` on node ``r % nodes`` (hydra's ``-hosts h1,h2`` with more ranks than hosts)."""
+        return cls.placed(X, Y, [r % nodes for r in range(X * Y)])
+
+    @property
+    def block(self) -> bool:
+        """Nodes of equal runs of consecutive ranks (what the orbit fast paths assume)."""
+        return self.node_sizes is None and self.node_of is None
+
     @property
     def N(self) -> int:
         return self.X * self.Y
 
     @cached_property
     def _node_of(self) -> np.ndarray:
+        if self.node_of is not None:
+            return np.asarray(self.node_of, np.int64)
         sizes = self.node_sizes or (self.ranks_per_node,) * (self.N // self.ranks_per_node)
         return np.repeat(np.arange(len(sizes)), sizes)
 
     @property
     def nodes(self) -> int:
+        if self.node_of is not None:
+            return max(self.node_of) + 1
         return len(self.node_sizes) if self.node_sizes is not None else self.N // self.ranks_per_node
 
     @cached_property
     def _topologies(self) -> dict:
-        return {}
+        return {}  # rank -> Topology, (rank, communicator) -> its world ranks
 
     def topology(self, rank: int) -> Topology:
         """Rank ``rank``'s view of this layout, as TorusComm builds it (torus.topology)."""
@@ -116,7 +151,7 @@ class Layout:
 
     def world(self, rank: int, comm: str, peer: int) -> int:
         """World rank of ``peer`` in ``rank``'s communicator ``comm`` (names as in plan.py): for equal nodes
-        the closed form of ``topology(rank).world_rank(comm, peer)``, O(1) at any scale; uneven nodes ask the
+        the closed form of ``topology(rank).world_rank(comm, peer)``, O(1) at any scale; other nodes ask the
         topology."""
         X, L = self.X, self.ranks_per_node
         if comm == "world":
@@ -127,14 +162,17 @@ class Layout:
             return peer * X + rank % X
         if comm not in ("local", "cross"):
             raise SimulationError(f"torus-sim on rank {rank}: unknown communicator {comm!r}")
-        if self.node_sizes is not None:
-            return self.topology(rank).world_rank(comm, peer)
+        if not self.block:
+            members = self._topologies.get((rank, comm))
+            if members is None:
+                members = self._topologies[(rank, comm)] = self.topology(rank).members(comm)
+            return members[peer]
         if comm == "local":
             return rank - rank % L + peer
         return peer * L + rank % L
 
     def node(self, rank):
         """The node index of ``rank`` (an int or an integer array)."""
-        if self.node_sizes is None:
+        if self.block:
             return rank // self.ranks_per_node
         return self._node_of[rank]

@@ -24,7 +24,8 @@ RESNET50_NBYTES = 25_557_032 * 4  # float32 gradients of ResNet-50 (torchvision/
 
 
 def rows(nbytes: int = RESNET50_NBYTES, cost: Cost = Cost(), dtype: str = "float32"):
-    """One dict per (grid, algorithm): simulated and closed-form steps, inter-node bytes and time (seconds)."""
+    """One dict per (grid, algorithm): simulated and closed-form steps, inter-node bytes and time (seconds);
+    the plain plans (``shm_phases=False``), which the paper's closed forms describe."""
     count = nbytes // ITEMSIZE[dtype]
     M = count * ITEMSIZE[dtype]
     out = []
@@ -32,7 +33,7 @@ def rows(nbytes: int = RESNET50_NBYTES, cost: Cost = Cost(), dtype: str = "float
         layout = Layout(X, Y, RANKS_PER_NODE)
         N, C = layout.N, layout.nodes
         for algo in ("ring", "hierarchical", "torus2d"):
-            r = simulate(algo, "allreduce", layout, count, dtype, cost)
+            r = simulate(algo, "allreduce", layout, count, dtype, cost, shm_phases=False)
             ae = cost.alpha if cost.inter_alpha is None else cost.inter_alpha
             be = cost.beta if cost.inter_beta is None else cost.inter_beta
             if algo == "ring" or (algo == "torus2d" and X > RANKS_PER_NODE):

@@ -61,18 +61,29 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
     """``(time, flag_steps, copied, reduced, flags)``: seconds until the last rank finishes, flags waited on in
     sequence, and per rank (arrays) bytes copied into the window, bytes reduced and flags published. Raises
     SimulationError unless every rank is on one node."""
-    P = layout.N
     _one_node(collective, layout)
+    P = layout.N
+    end, steps, copied, reduced, flags = ranks(collective, chunks(count, P)[0], itemsize, cost,
+                                               slot_bytes(cost, P), np.zeros(P))
+    return float(end.max(initial=0.0)), steps, copied, reduced, flags
+
+
+def ranks(collective: str, counts, itemsize: int, cost: Cost, slot: int, start) -> tuple:
+    """``replay`` on ``len(counts)`` ranks of one node that enter the call at ``start`` (seconds, per rank):
+    ``(end, flag_steps, copied, reduced, flags)``, ``end`` per rank. ``counts``: elements per rank's chunk (an
+    all-reduce's; blocks of a reduce-scatter or all-gather, zeros allowed: the broadcast of a phased
+    hierarchical all-reduce is an all-gather with one block); ``slot``: the window slot in bytes."""
+    counts = np.asarray(counts, np.int64)
+    P = counts.size
     a, b, g, call = _constants(cost)
-    slot = slot_bytes(cost, P)
-    counts = np.asarray(chunks(count, P)[0], np.int64)  # all-reduce chunks; reduce-scatter/all-gather blocks
+    count = int(counts.sum())
     seg = slot // itemsize if collective == "allgather" else slot // P // itemsize
     nsteps = -(-int(counts.max(initial=0)) // seg)
-    t = np.full(P, float(call) if count else 0.0)
+    t = np.asarray(start, float) + (call if count else 0.0)
     copied, reduced, flags = np.zeros(P), np.zeros(P), np.zeros(P)
     if collective == "allreduce" and P > 1 and 0 < count * itemsize <= min(WHOLE_MAX_BYTES, slot):
         M = count * itemsize  # one step: every rank copies all in, joins, reduces everything from the slots
-        return float(call + b * M + a + (P - 1) * g * M), 1, np.full(P, float(M)), np.full(P, (P - 1.0) * M), \
+        return _join(t + b * M, a) + (P - 1) * g * M, 1, np.full(P, float(M)), np.full(P, (P - 1.0) * M), \
             np.ones(P)
     ranks = np.arange(P)
 
@@ -112,7 +123,7 @@ def replay(collective: str, layout: Layout, count: int, itemsize: int, cost: Cos
                 t = np.where(take, np.maximum(t, ready[q] + a), t)
             t = t + np.where(take, b * n[q], 0.0)
     steps = nsteps * (2 if collective == "allreduce" else 1)
-    return float(t.max(initial=0.0)), steps, copied, reduced, flags
+    return t, steps, copied, reduced, flags
 
 
 def closed_form(collective: str, M: float, P: int, cost: Cost) -> float:

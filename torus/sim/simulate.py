@@ -5,9 +5,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from torus.partition import chunks
 from torus.schedules.plan import Step
+from torus.sim import phased, replay, shm
 from torus.sim import plans as P
-from torus.sim import replay, shm
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
 
 ALGORITHMS = (*P.ALGORITHMS, "shm")  # the schedules, and the shared-memory transport (one node)
@@ -20,7 +21,8 @@ class Result:
     """Per collective call. Bytes per rank: sent, reduced, sent to another node (max and mean over ranks);
     ``inter_node_max``: bytes leaving the busiest node; ``steps``: messages in sequence on the critical path;
     ``time``: seconds until the last rank finishes; ``tag_mismatches``: message pairs posted at different step
-    indices (the executor, which tags by step, would hang on them); ``method``: "full", "orbit", "shm" or "alloc"."""
+    indices (the executor, which tags by step, would hang on them); ``method``: "full", "orbit", "phased",
+    "shm" or "alloc"."""
     algorithm: str
     collective: str
     ranks: int
@@ -61,7 +63,7 @@ def _samples(n: int) -> list[int]:
 
 
 def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype: str = "float32",
-             cost: Cost = Cost(), method: str = "auto", alloc: bool = False) -> Result:
+             cost: Cost = Cost(), method: str = "auto", alloc: bool = False, shm_phases: bool = True) -> Result:
     """Replay ``collective`` by ``algorithm`` on ``layout`` for ``count`` elements of ``dtype``.
 
     ``count``: elements of the all-reduce buffer, or of the whole reduce-scatter input / all-gather output.
@@ -71,6 +73,8 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     no orbit and "auto" replays it in full at every size.
     ``alloc``: an in-place all-reduce of a ``TorusComm.alloc`` buffer; shm then replays ``run_window``
     (method "alloc"), the other algorithms run such a buffer as any other (priced as without).
+    ``shm_phases``: across nodes, replay what TorusComm runs with its ``shm_phases`` on (its default): the
+    node-level phases over shared memory (sim/phased.py, method "phased"); off, the plain plan.
     Raises ValueError for unknown names or ``alloc`` with another collective than allreduce,
     SimulationError for a plan that cannot run or shm across nodes.
     """
@@ -81,8 +85,15 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     itemsize = ITEMSIZE[dtype]
     if algorithm == "shm":
         return _shm(collective, layout, count, itemsize, cost, alloc)
+    if shm_phases and layout.nodes > 1:
+        counts = count if collective == "allreduce" else tuple(chunks(count, layout.N)[0])
+        per_rank = phased.build(algorithm, collective, layout, counts)
+        if per_rank is not None:
+            end, st, mism = phased.replay_phases(per_rank, layout, cost, itemsize)
+            return _result(algorithm, collective, layout, count, itemsize, max(t for t, _ in end.values()),
+                           max(d for _, d in end.values()), st, mism, "phased")
     if method == "auto":
-        method = "full" if layout.N <= FULL_MAX_RANKS or algorithm in P.NO_ORBIT else "orbit"
+        method = "full" if layout.N <= FULL_MAX_RANKS or algorithm in P.NO_ORBIT or layout.node_of else "orbit"
     if method == "full":
         plans = {r: P.plan(algorithm, collective, r, layout, count) for r in range(layout.N)}
         end, st, mism = replay.full(plans, layout, cost, itemsize)
@@ -94,6 +105,9 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     if algorithm in P.NO_ORBIT:
         raise SimulationError(f"torus-sim: {algorithm} has no orbit fast path (its peers are not a rotation "
                               "of one rank's); replay it in full (method='full' or 'auto')")
+    if layout.node_of is not None:
+        raise SimulationError("torus-sim: the orbit fast paths need nodes of consecutive ranks; replay other "
+                              "placements in full (method='full' or 'auto')")
     if algorithm == "hierarchical" and layout.node_sizes is not None:
         raise SimulationError("torus-sim: the hierarchical orbit needs nodes of equal size; replay uneven "
                               "nodes in full (method='full')")
