@@ -28,6 +28,8 @@ from mpi4py import MPI
 from torus import kernels
 from torus.bench.sweep import format_size
 from torus.comm import TorusComm
+from torus.options import machine_ranks
+from torus.runtime.shm import SharedMemory
 from torus.sim.model import Cost, Layout
 from torus.sim.simulate import simulate
 
@@ -168,15 +170,27 @@ def window_copy_rate(comm, sizes=REDUCE_SIZES, reps: int = 10) -> tuple[float, l
     return max(float(slope), 0.0), pts
 
 
-def shm_flags(comm, copy_beta: float, gamma: float, steps=SHM_STEPS, iters: int = 40) -> tuple:
+def shm_flags(comm, copy_beta: float, gamma: float, steps=SHM_STEPS, iters: int = 40,
+              host_ranks: int | None = None) -> tuple:
     """``(flag_alpha, call_alpha, points)`` of the shared-memory transport (sim/shm.py): in-place float32
     all-reduces of ``k`` steps (``steps``) with 64-byte pieces; the least-squares line of time over ``k`` has
     slope ``2·flag_alpha`` plus the pieces' modelled copies and reduction, and intercept ``call_alpha``.
-    Collective over ``comm`` (every rank on one node)."""
+    Collective over ``comm`` (every rank on one node); ``host_ranks``: the ranks on this machine where more
+    than ``comm``'s share it (nodes emulated on one machine), which the transport's spin rule counts."""
     P = comm.Get_size()
-    tc = TorusComm(comm, segment_bytes=64 * P, check=False)
-    pts = [(k, measure_allreduce(tc, "shm", k * 64 * P, iters)) for k in steps]
-    tc.Free()
+    transport = SharedMemory(comm, comm.Get_rank(), P, 64 * P, None, host_ranks=host_ranks)
+    pts = []
+    for k in steps:
+        buf = np.ones(k * 16 * P, np.float32)
+        transport.run("torus-sim --fit", "allreduce", buf, buf, None, "sum", 1.0, False)
+        times = []
+        for _ in range(iters):
+            comm.Barrier()
+            t = time.perf_counter()
+            transport.run("torus-sim --fit", "allreduce", buf, buf, None, "sum", 1.0, False)
+            times.append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+        pts.append((k, float(np.median(times))))
+    transport.free()
     slope, intercept = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
     piece = 64.0
     flag = (slope - (2 * (P - 1) * copy_beta + (P - 1) * gamma) * piece) / 2
@@ -209,6 +223,11 @@ def inter_node_exchange(tc, sizes=PINGPONG_SIZES, reps: int = 50) -> list[tuple[
     points = exchange(leaders, sizes, reps, stat=np.min) if leaders != MPI.COMM_NULL else None
     if leaders != MPI.COMM_NULL:
         leaders.Free()
+    # the idle ranks wait asleep: MPI's blocking wait spins, and on hosts that share cores (emulated ones)
+    # that spinning took the CPU the leaders' TCP needed (their 16 MiB exchange at half the link's rate)
+    done = tc.comm.Ibarrier()
+    while not done.Test():
+        time.sleep(1e-3)
     return tc.comm.bcast(points, root=0)
 
 
@@ -265,12 +284,13 @@ def main(args, cost: Cost) -> int:
         # the shared-memory constants on one node, or within every node at once (the node-level phases)
         node_comm = comm if nodes == 1 else tc.local_comm.Dup() if tc.topology.node_grid and per_node > 1 \
             else None
+        host_ranks = machine_ranks(comm)
         tc.Free()
         shm_fit: dict = {}
         if node_comm is not None:
             copy_beta, copy_pts = copy_rate(node_comm)
             window_beta, window_pts = window_copy_rate(node_comm)
-            flag, call, flag_pts = shm_flags(node_comm, copy_beta, gamma)
+            flag, call, flag_pts = shm_flags(node_comm, copy_beta, gamma, host_ranks=host_ranks)
             if node_comm is not comm:
                 node_comm.Free()
             shm_fit = {"copy_beta": copy_beta, "flag_alpha": flag, "call_alpha": call, "window_beta": window_beta,
@@ -322,8 +342,9 @@ def main(args, cost: Cost) -> int:
                   "fit at the rank count you validate (see torus/sim/fit.py)")
         if params.get("alpha_executor") is not None:
             costs["executor"] = Cost(**{**costs["fit"].__dict__, "alpha": params["alpha_executor"]})
-    if layout_of(tc).nodes > 1:  # across nodes: also with a node's link shared by its ranks (model.Cost)
-        costs["shared"] = dataclasses.replace(costs["fit"], shared_links=True)
+    if layout_of(tc).nodes > 1:  # across nodes: also the other link model (model.Cost.shared_links)
+        other = "whole" if costs["fit"].shared_links else "shared"
+        costs[other] = dataclasses.replace(costs["fit"], shared_links=not costs["fit"].shared_links)
     one_node = tc.nodes == 1
     if args.alloc and not one_node:
         if rank == 0:
