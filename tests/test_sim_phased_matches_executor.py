@@ -17,6 +17,7 @@ import pytest
 from tests.test_sim_replay_matches_executor import _Recording, _sim_view, _Transport, run_ranks
 from torus.partition import chunks, displacements
 from torus.schedules import phases as phase_lists
+from torus.schedules.build import effective
 from torus.sim import phased, replay, shm
 from torus.sim.model import Cost, Layout
 from torus.sim.plans import ALGORITHMS, COLLECTIVES
@@ -78,7 +79,7 @@ def _execute(algorithm, collective, layout, counts, seg, data):
         ex = _Recording({n: t.comm(topo, n) for n in ("world", "row", "col", "local", "cross")}, r, seg, None,
                         shm_by_name)
         ex.c_loop, ex.log = False, []
-        algo = phased.effective(collective, algorithm, topo)
+        algo = effective(collective, algorithm, topo)
         runs[r] = (ex, ex.phases(collective, algo, topo, counts, ITEMSIZE, True))
         bufs[r] = data[r].copy()
     run_ranks(N, lambda r: runs[r][0].run_phases(collective, runs[r][1], bufs[r], "sum", 1.0, None, False))
@@ -123,7 +124,7 @@ def test_phased_replay_matches_executor(layout, algorithm, collective):
         per_rank = phased.build(algorithm, collective, layout, counts)
         if per_rank is None:  # no node-level phase: the plain replay of test_sim_replay_matches_executor
             assert algorithm in ("ring", "swing") or not any(
-                phase_lists.node_level(collective, phased.effective(collective, algorithm, layout.topology(r)),
+                phase_lists.node_level(collective, effective(collective, algorithm, layout.topology(r)),
                                        layout.topology(r)) for r in range(N))
             return
         data = {r: rng.standard_normal(count) for r in range(N)}
@@ -141,10 +142,12 @@ def test_phased_replay_matches_executor(layout, algorithm, collective):
                 assert st["msgs"][r] == len(sent) and st["sent"][r] == sum(e[3] for e in sent), what
                 if collective == "reduce_scatter":
                     lo, n = displacements(counts)[r], counts[r]
-                    np.testing.assert_allclose(bufs[r][lo:lo + n], want[lo:lo + n], rtol=1e-12, atol=1e-12)
+                    np.testing.assert_allclose(bufs[r][lo:lo + n], want[lo:lo + n], rtol=1e-12, atol=1e-12,
+                                               err_msg=what)
                 else:
                     np.testing.assert_allclose(bufs[r], want, rtol=1e-12, atol=1e-12, err_msg=what)
-                np.testing.assert_array_equal(bufs[r], bufs[0]) if collective == "allreduce" else None
+                if collective == "allreduce":  # every rank's result bitwise the same
+                    np.testing.assert_array_equal(bufs[r], bufs[0], err_msg=what)
 
 
 def test_phased_torus2d_allreduce_is_its_closed_form():
