@@ -181,15 +181,10 @@ def shm_flags(comm, copy_beta: float, gamma: float, steps=SHM_STEPS, iters: int 
     transport = SharedMemory(comm, comm.Get_rank(), P, 64 * P, None, host_ranks=host_ranks)
     pts = []
     for k in steps:
-        buf = np.ones(k * 16 * P, np.float32)
-        transport.run("torus-sim --fit", "allreduce", buf, buf, None, "sum", 1.0, False)
-        times = []
-        for _ in range(iters):
-            comm.Barrier()
-            t = time.perf_counter()
-            transport.run("torus-sim --fit", "allreduce", buf, buf, None, "sum", 1.0, False)
-            times.append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
-        pts.append((k, float(np.median(times))))
+        buf = np.ones(k * 16 * P, np.float32)  # k steps of 64-byte pieces per rank
+        call = lambda buf=buf: transport.run("torus-sim --fit", "allreduce", buf, buf, None, "sum", 1.0, False)  # noqa: E731
+        call()
+        pts.append((k, _median_slowest(comm, call, iters)))
     transport.free()
     slope, intercept = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
     piece = 64.0
@@ -203,14 +198,21 @@ def measure_allreduce(tc, algorithm: str, nbytes: int, iters: int = 20, alloc: b
     buf = tc.alloc(nbytes // 4, np.float32) if alloc else np.empty(nbytes // 4, np.float32)
     buf.fill(1)
     tc.allreduce(MPI.IN_PLACE, buf, algorithm=algorithm)
-    times = []
-    for _ in range(iters):
-        tc.comm.Barrier()
-        t = time.perf_counter()
-        tc.allreduce(MPI.IN_PLACE, buf, algorithm=algorithm)
-        times.append(tc.comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+    seconds = _median_slowest(tc.comm, lambda: tc.allreduce(MPI.IN_PLACE, buf, algorithm=algorithm), iters)
     if alloc:
         tc.free_alloc(buf)
+    return seconds
+
+
+def _median_slowest(comm, fn, iters: int) -> float:
+    """The median over ``iters`` calls of ``fn``, each after a barrier, of the slowest rank's time (seconds):
+    a collective's time. Collective over ``comm``."""
+    times = []
+    for _ in range(iters):
+        comm.Barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
     return float(np.median(times))
 
 

@@ -139,7 +139,11 @@ class Layout:
 
     @cached_property
     def _topologies(self) -> dict:
-        return {}  # rank -> Topology, (rank, communicator) -> its world ranks
+        return {}
+
+    @cached_property
+    def _members(self) -> dict:
+        return {}  # (rank, communicator) -> its world ranks, for placements without a closed form
 
     def topology(self, rank: int) -> Topology:
         """Rank ``rank``'s view of this layout, as TorusComm builds it (torus.topology)."""
@@ -163,9 +167,9 @@ class Layout:
         if comm not in ("local", "cross"):
             raise SimulationError(f"torus-sim on rank {rank}: unknown communicator {comm!r}")
         if not self.block:
-            members = self._topologies.get((rank, comm))
+            members = self._members.get((rank, comm))
             if members is None:
-                members = self._topologies[(rank, comm)] = self.topology(rank).members(comm)
+                members = self._members[(rank, comm)] = self.topology(rank).members(comm)
             return members[peer]
         if comm == "local":
             return rank - rank % L + peer

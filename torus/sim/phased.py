@@ -30,12 +30,13 @@ def _key(phase) -> tuple:
 def build(algorithm: str, collective: str, layout: Layout, counts) -> dict | None:
     """{world rank: its phases} as TorusComm builds them with ``shm_phases`` on, or None where no rank's
     call is phased (one node, or no node-level phase of several ranks: the plain plan runs)."""
+    t0 = layout.topology(0)  # node_level and effective are the same on every rank (whole-layout functions)
+    if phase_lists.node_level(collective, effective(collective, algorithm, t0), t0) is None:
+        return None
     out = {}
     for r in range(layout.N):
         t = layout.topology(r)
         out[r] = phase_lists.build(collective, effective(collective, algorithm, t), t, counts, True)
-    if all(len(p) == 1 and isinstance(p[0], phase_lists.Plan) for p in out.values()):
-        return None
     return out
 
 
@@ -85,7 +86,7 @@ def replay_phases(per_rank: dict, layout: Layout, cost: Cost, itemsize: int):
             P = len(members)
             counts = ph.counts if ph.counts is not None else chunks(ph.inp[1] - ph.inp[0], P)[0]
             start = np.array([clock[m][0] for m in members])
-            slot = -(-(cost.shm_slot_bytes or shm.SEGMENT_BYTES) // (64 * P)) * (64 * P)
+            slot = shm.slot_bytes(cost, P, cost.shm_slot_bytes or shm.SEGMENT_BYTES)
             t, steps, _, reduced, _ = shm.ranks(ph.collective, counts, itemsize, cost, slot, start)
             depth = max(clock[m][1] for m in members) + steps
             for i, m in enumerate(members):

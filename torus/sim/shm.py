@@ -23,10 +23,11 @@ SEGMENT_BYTES = 256 << 10  # torus.runtime.shm.SEGMENT_BYTES (not imported: the 
 WHOLE_MAX_BYTES = 16 << 10  # torus.runtime.shm.WHOLE_MAX_BYTES: all-reduces up to it (and the slot) take one step
 
 
-def slot_bytes(cost: Cost, P: int) -> int:
-    """A rank's window slot as the transport sizes it: segment_bytes (or SEGMENT_BYTES) rounded up to 64·P."""
+def slot_bytes(cost: Cost, P: int, nbytes: int | None = None) -> int:
+    """A rank's window slot as the transport sizes it: ``nbytes`` (default segment_bytes; None: SEGMENT_BYTES)
+    rounded up to 64·P."""
     line = 64 * P
-    return -(-(cost.segment_bytes or SEGMENT_BYTES) // line) * line
+    return -(-((cost.segment_bytes if nbytes is None else nbytes) or SEGMENT_BYTES) // line) * line
 
 
 def _constants(cost: Cost):
@@ -85,7 +86,7 @@ def ranks(collective: str, counts, itemsize: int, cost: Cost, slot: int, start) 
         M = count * itemsize  # one step: every rank copies all in, joins, reduces everything from the slots
         return _join(t + b * M, a) + (P - 1) * g * M, 1, np.full(P, float(M)), np.full(P, (P - 1.0) * M), \
             np.ones(P)
-    ranks = np.arange(P)
+    idx = np.arange(P)
 
     def piece(i):  # bytes of every chunk in step i, and what this rank copies in for it
         n = np.clip(counts - i * seg, 0, seg) * itemsize
@@ -117,7 +118,7 @@ def ranks(collective: str, counts, itemsize: int, cost: Cost, slot: int, start) 
         if collective == "reduce_scatter":
             continue
         for k in range(1, P):  # copy out chunk rank + k on every rank (our own is out already)
-            q = (ranks + k) % P
+            q = (idx + k) % P
             take = n[q] > 0
             if collective == "allreduce":
                 t = np.where(take, np.maximum(t, ready[q] + a), t)
