@@ -16,6 +16,7 @@ Sizes are bytes of the whole buffer (binary K/M/G, as torus-bench); times in sec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -25,6 +26,7 @@ import sys
 from torus import cli
 from torus.bench.sweep import format_size, parse_size, size_steps
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
+from torus.sim.network import Network
 from torus.sim.plans import ALGORITHMS as SCHEDULES
 from torus.sim.plans import COLLECTIVES
 from torus.sim.simulate import ALGORITHMS, simulate
@@ -71,7 +73,12 @@ def layout_for(args, n: int) -> Layout:
     dims = args.dims or node_dims(node_of) or default_dims(n)
     if dims[0] * dims[1] != n:
         raise ValueError(f"torus-sim: dims {dims[0]}x{dims[1]} do not multiply to {n} ranks")
-    return Layout.placed(dims[0], dims[1], node_of)
+    layout = Layout.placed(dims[0], dims[1], node_of)
+    if args.network == "star":
+        return layout
+    # a torus of nodes laid out as the rank grid where whole nodes tile its rows: a row neighbour one hop away
+    grid = (dims[0] // L, dims[1]) if args.placement == "block" and dims[0] % L == 0 else None
+    return dataclasses.replace(layout, network=Network.parse(args.network, layout.nodes, grid))
 
 
 def default_dims(n: int) -> tuple[int, int]:
@@ -142,6 +149,11 @@ def parser() -> argparse.ArgumentParser:
                     help="ranks of a node crossing to other nodes at the same step share its link, as on a real "
                          "network (default); --no-shared-links: each message gets the whole link, as the paper's "
                          "closed forms assume")
+    ap.add_argument("--network", default="star", metavar="NET",
+                    help="how the nodes are wired, the links shared by the flows crossing them (sim/network.py): "
+                         "star (default: one non-blocking switch), torus[:PxQ] (nodes on a torus, "
+                         "dimension-order routing; default: the nodes laid out as the rank grid), "
+                         "fattree:LEAF[:OVERSUB] (leaf switches of LEAF nodes, uplinks tapered OVERSUB:1)")
     ap.add_argument("--copy-beta", type=float, default=None,
                     help="shm: seconds per byte of a memory copy (default: --beta)")
     ap.add_argument("--flag-alpha", type=float, default=None,
@@ -186,6 +198,16 @@ def _check(ap, args) -> None:
     elif args.compute_step is not None or args.allreduce_seconds is not None or args.save_profile or \
             args.slowdown != 1.0:
         ap.error("--compute-step, --allreduce-seconds, --slowdown and --save-profile go with --step")
+    if args.network != "star":
+        if not args.shared_links:
+            ap.error(f"--network {args.network} prices shared links: not with --no-shared-links")
+        if args.paper or args.fit or args.validate:
+            ap.error("--network goes with a replay or --sweep (--paper prices the closed forms' whole links, "
+                     "--fit and --validate the network they run on)")
+        try:
+            Network.parse(args.network)
+        except ValueError as e:
+            ap.error(str(e))
     if args.params and not os.path.isfile(args.params):
         ap.error(f"--params {args.params}: no such file")
     if args.plot and importlib.util.find_spec("matplotlib") is None:

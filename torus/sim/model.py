@@ -20,6 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from torus.errors import TorusError
+from torus.sim.network import Network
 from torus.topology import Topology
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
@@ -70,13 +71,15 @@ class Layout:
     """``N = X * Y`` ranks; rank ``r`` at column ``x = r % X`` of row ``y = r // X`` (as ``TorusComm``);
     nodes of ``ranks_per_node`` consecutive ranks, which are also the hierarchical schedule's local groups, or
     (``node_sizes``, see ``uneven``) runs of consecutive ranks of those sizes, or (``node_of``, see ``placed``
-    and ``round_robin``) any placement, ``ranks_per_node`` then the largest node. Raises ValueError when the
-    nodes do not cover the grid."""
+    and ``round_robin``) any placement, ``ranks_per_node`` then the largest node; ``network``: how the nodes
+    are wired (sim/network.py; priced with ``Cost.shared_links``). Raises ValueError when the nodes do not
+    cover the grid or the network does not hold them."""
     X: int
     Y: int
     ranks_per_node: int = 1
     node_sizes: tuple | None = None
     node_of: tuple | None = None
+    network: Network = Network()
 
     def __post_init__(self):
         if self.node_of is not None:
@@ -93,6 +96,7 @@ class Layout:
         elif self.X < 1 or self.Y < 1 or self.ranks_per_node < 1 or self.N % self.ranks_per_node:
             raise ValueError(f"torus-sim: grid {self.X}x{self.Y} with {self.ranks_per_node} ranks per node "
                              "is not a whole number of equal nodes")
+        self.network.check(self.nodes)
 
     @classmethod
     def uneven(cls, X: int, Y: int, node_sizes) -> Layout:
@@ -101,14 +105,16 @@ class Layout:
         return cls(X, Y, max(sizes, default=0), sizes)
 
     @classmethod
-    def placed(cls, X: int, Y: int, node_of) -> Layout:
+    def placed(cls, X: int, Y: int, node_of, network: Network = Network()) -> Layout:
         """Rank ``r`` on node ``node_of[r]`` (nodes numbered in the order of their lowest rank, as
         torus.topology); nodes of consecutive ranks become the equivalent ``Layout`` or ``uneven``."""
         node_of = tuple(int(n) for n in node_of)
         sizes = [node_of.count(n) for n in range(max(node_of, default=-1) + 1)]
         if list(node_of) == [n for n, k in enumerate(sizes) for _ in range(k)] and sizes and min(sizes) > 0:
-            return cls(X, Y, sizes[0]) if len(set(sizes)) == 1 else cls.uneven(X, Y, sizes)
-        return cls(X, Y, max(sizes, default=0), None, node_of)
+            if len(set(sizes)) == 1:
+                return cls(X, Y, sizes[0], network=network)
+            return cls(X, Y, max(sizes), tuple(sizes), network=network)
+        return cls(X, Y, max(sizes, default=0), None, node_of, network)
 
     @classmethod
     def round_robin(cls, X: int, Y: int, nodes: int) -> Layout:

@@ -115,7 +115,7 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None, win
     for (_, _, dst), lst in recvs.items():
         st["reduced"][pos[dst]] += sum(c for _, c, red in lst if red) * itemsize
 
-    shares = _step_shares(steps, layout) if cost.shared_links else None
+    slow = _slowdowns(steps, layout) if cost.shared_links else {}
     start = start or {}
     clock = {r: [start.get(r, (0.0, 0))] for r in ranks}  # (time, depth) at the start of each step
     port = {r: clock[r][0][0] for r in ranks}  # when each rank's send port is free
@@ -134,8 +134,8 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None, win
             nbytes = sends[key][k][1] * itemsize
             crossing = layout.node(q) != layout.node(dst)
             alpha, beta = cost.link(crossing)
-            if crossing and shares:
-                beta *= max(shares[0][layout.node(q), sq], shares[1][layout.node(dst), ds])
+            if crossing:
+                beta *= slow.get((key, k), 1.0)
             begin = max(tq, tr, free)
             if prev is not None and prev[0] == key:  # the next segment of the same message
                 begin = max(begin, prev[1] + alpha + beta * prev[2])
@@ -167,9 +167,8 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None, win
             nbytes = count * itemsize
             crossing = layout.node(key[1]) != layout.node(r)
             _, beta = cost.link(crossing)
-            if crossing and shares:
-                beta *= max(shares[0][layout.node(key[1]), sends[key][k][0] - (window or {}).get(key[1], (0, 0))[0]],
-                            shares[1][layout.node(r), s])
+            if crossing:
+                beta *= slow.get((key, k), 1.0)
             rport = max(arrive, rport + beta * nbytes)
             end = rport
             if reduce:
@@ -216,41 +215,45 @@ def _message(cost: Cost, count, itemsize: int, alpha, beta):
     return k, lead + alpha + beta * last, lead + beta * last, exposed
 
 
-def _step_shares(steps, layout: Layout) -> tuple:
-    """``(out, into)``: {(node, step): the ranks of that node sending / receiving a message to / from another
-    node at that step}, over ``match``'s steps (one rank's own messages already queue at its port, so ranks,
-    not messages, share the link); see ``_sharing``."""
-    out: dict = defaultdict(set)
-    into: dict = defaultdict(set)
-    for r, (per_step, _) in steps.items():
+def _slowdowns(steps, layout: Layout) -> dict:
+    """{(channel, k): the factor on that segment's β} for the segments between nodes, over ``match``'s steps
+    (each rank's local step indices, as the old per-node counts): the layout's network prices each
+    (sim/network.py), the ranks crossing a link at one step sharing it."""
+    send_at, recv_at = {}, {}
+    for per_step, _ in steps.values():
         for s, (sent, received) in enumerate(per_step):
-            for key, _ in sent:
-                if layout.node(key[1]) != layout.node(key[2]):
-                    out[(layout.node(r), s)].add(r)
-            for key, _ in received:
-                if layout.node(key[1]) != layout.node(key[2]):
-                    into[(layout.node(r), s)].add(r)
-    return ({k: len(v) for k, v in out.items()}, {k: len(v) for k, v in into.items()})
+            for msg in sent:
+                send_at[msg] = s
+            for msg in received:
+                recv_at[msg] = s
+    msgs = [m for m in send_at if layout.node(m[0][1]) != layout.node(m[0][2])]
+    if not msgs:
+        return {}
+    sender = np.array([m[0][1] for m in msgs], np.int64)
+    receiver = np.array([m[0][2] for m in msgs], np.int64)
+    factor = layout.network.slowdown(layout.nodes, layout.node(sender), layout.node(receiver), sender, receiver,
+                                     [send_at[m] for m in msgs], [recv_at[m] for m in msgs])
+    return dict(zip(msgs, factor.tolist()))
 
 
-def _sharing(node, src, crossing):
-    """Per receiver: how many ranks with a message between nodes at this step share the busier of its two
-    node links (the sender's node's way out, the receiver's node's way in), 1 for a message within a node.
-    Each gets that share of the link's rate: on the emulated cluster two ranks of a host sending across at
-    once each moved at half the rate (bench/README.md, "Across hosts")."""
-    if not crossing.any():
-        return np.ones(node.size)
-    nodes = int(node.max()) + 1
-    out = np.bincount(node[src][crossing], minlength=nodes)  # messages leaving each node
-    into = np.bincount(node[crossing], minlength=nodes)  # messages entering each node
-    return np.where(crossing, np.maximum(out[node[src]], into[node]), 1)
+def _sharing(layout: Layout, node, src, crossing):
+    """Per receiver: the factor on its message's β, 1 within a node; between nodes the ranks crossing a link
+    at this step share it (sim/network.py: on a star, the busier of the sender's node link out and the
+    receiver's in). On the emulated cluster two ranks of a host sending across at once each moved at half the
+    rate (bench/README.md, "Across hosts")."""
+    out = np.ones(node.size)
+    if crossing.any():
+        dst = np.flatnonzero(crossing)
+        zero = np.zeros(dst.size, np.int64)
+        out[dst] = layout.network.slowdown(layout.nodes, node[src][dst], node[dst], src[dst], dst, zero, zero)
+    return out
 
 
 def lockstep(a, layout: Layout, cost: Cost, itemsize: int, t0=None, d0=None):
     """The same recurrence for step-aligned ``Arrays`` (a message sent at step ``s`` is received at step
     ``s``; at most one message each way per rank and step, so no port contention within a step; ``a.until``
-    the deadline step of each send, as compile_plan sets it): one numpy pass per step. Unlike ``full`` it
-    shares a node's link among the step's messages between nodes (``_sharing``) with ``cost.shared_links``.
+    the deadline step of each send, as compile_plan sets it): one numpy pass per step. With ``cost.shared_links``
+    the step's messages between nodes share the links they cross (``_sharing``), as in ``full``.
 
     Returns ``(time, depth, stats)``: per-rank end times and depths and the per-rank statistics of ``full``.
     Raises SimulationError when a send is not received at the same step.
@@ -278,7 +281,7 @@ def lockstep(a, layout: Layout, cost: Cost, itemsize: int, t0=None, d0=None):
         crossing = has & (node[src] != node)
         alpha, beta = cost.link(crossing)
         if cost.shared_links:
-            beta = beta * _sharing(node, src, crossing)
+            beta = beta * _sharing(layout, node, src, crossing)
         k, transfer, busy, exposed = _message(cost, rb, itemsize, alpha, beta)
         begin = np.maximum.reduce([T[src], T, free[src]])  # per receiver: its message's first segment leaves
         arrive = begin + transfer

@@ -22,7 +22,7 @@ class Result:
     ``inter_node_max``: bytes leaving the busiest node; ``steps``: messages in sequence on the critical path;
     ``time``: seconds until the last rank finishes; ``tag_mismatches``: message pairs posted at different step
     indices (the executor, which tags by step, would hang on them); ``method``: "full", "orbit", "phased",
-    "shm" or "alloc"."""
+    "shm" or "alloc"; ``network``: how the nodes are wired (sim/network.py)."""
     algorithm: str
     collective: str
     ranks: int
@@ -42,6 +42,7 @@ class Result:
     time: float
     tag_mismatches: int
     method: str
+    network: str = "star"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -54,7 +55,7 @@ def _result(algorithm, collective, layout, count, itemsize, time, depth, st, mis
                   count * itemsize, int(depth), float(st["msgs"].max()), float(st["msgs"].mean()),
                   float(st["sent"].max()), float(st["sent"].mean()), float(st["reduced"].max()),
                   float(st["reduced"].mean()), float(st["inter"].max()), float(per_node.max()), float(time),
-                  int(mismatches), method)
+                  int(mismatches), method, layout.network.name)
 
 
 def _samples(n: int) -> list[int]:
