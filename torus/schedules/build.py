@@ -22,17 +22,30 @@ def effective(collective: str, algorithm: str, topology: Topology) -> str:
     return algorithm
 
 
+def grid_phases(collective: str, algorithm: str, topology: Topology, counts) -> tuple:
+    """The ring phases (torus2d.Phase) of a torus2d call, and of a hierarchical reduce-scatter or all-gather
+    (the 2D torus on the local x cross grid), as ``build`` runs them: what phases.py lowers level by level."""
+    t = topology
+    if algorithm == "hierarchical":
+        (x, y), (X, Y), row, col = (t.local_rank, t.node), (t.local_size, t.nodes), "local", "cross"
+    else:
+        (x, y), (X, Y), row, col = t.coords, t.dims, "row", "col"
+    if collective == "allreduce":
+        if t.columns_first:  # the same schedule on the transposed grid: its rows are our columns
+            return torus2d.allreduce_phases(y, x, Y, X, counts, row="col", col="row")
+        return torus2d.allreduce_phases(x, y, X, Y, counts, row, col)
+    return torus2d.block_phases(collective, x, y, X, Y, counts, displacements(counts), row, col)
+
+
 def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
     """The steps of ``topology.rank`` for one call (see plan.py)."""
     t = topology
     (x, y), (X, Y) = t.coords, t.dims
+    if algorithm == "torus2d" or (algorithm == "hierarchical" and collective != "allreduce"):
+        return torus2d.lower(grid_phases(collective, algorithm, t, counts))
     if collective == "allreduce":
         if algorithm == "ring":
             return ring.allreduce("world", t.ring_position, t.size, counts, order=t.ring_order)
-        if algorithm == "torus2d":
-            if t.columns_first:  # the same schedule on the transposed grid: its rows are our columns
-                return torus2d.allreduce(y, x, Y, X, counts, row="col", col="row")
-            return torus2d.allreduce(x, y, X, Y, counts)
         if algorithm == "swing":
             return swing.allreduce(x, y, X, Y, counts)
         return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
@@ -43,8 +56,4 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
         return (ring.reduce_scatter if rs else ring.allgather)(
             "world", t.ring_position, t.size, [counts[r] for r in order], [displs[r] for r in order],
             order=order)
-    if algorithm == "torus2d":
-        return (torus2d.reduce_scatter if rs else torus2d.allgather)(x, y, X, Y, counts, displs)
-    if algorithm == "swing":
-        return (swing.reduce_scatter if rs else swing.allgather)(x, y, X, Y, counts, displs)
-    return (hierarchical.reduce_scatter if rs else hierarchical.allgather)(*t.hierarchical_args(), counts, displs)
+    return (swing.reduce_scatter if rs else swing.allgather)(x, y, X, Y, counts, displs)

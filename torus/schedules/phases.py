@@ -26,6 +26,12 @@ Where the shared-memory phases lie (``node_level``; several nodes, node-level co
 - reduce-scatter and all-gather of torus2d and of hierarchical (its grid: local x cross, nodes of equal
   size): torus2d.py's two ring phases, the one along the axis within nodes over shared memory.
 
+The two-level phases are the schedules' own (``build.grid_phases``: torus2d.Phase, with the same transposition
+and communicators as the plain plan); ``build`` lowers each to its ring steps, this module lowers the one on the
+node-level communicator to a ``Shm`` call instead. Only the leader form of the hierarchical all-reduce is
+written here, as it differs from hierarchical.py's plan (a shared-memory all-reduce and broadcast in place of
+the node's reduce-scatter, gather, scatter and all-gather).
+
 Each element is still reduced once per level, by one rank, and copied to the others, so every rank's result
 is bitwise identical; it need not equal the plain plan's bit for bit (the node level reduces in another order).
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torus.partition import chunks, displacements
+from torus.partition import displacements
 from torus.schedules import build as plans
 from torus.schedules import ring, torus2d
 from torus.topology import Topology
@@ -87,14 +93,16 @@ def build(collective: str, algorithm: str, topology: Topology, counts, shared: b
         return (Plan(plans.build(collective, algorithm, t, counts), own),)
     if algorithm == "hierarchical" and collective == "allreduce":
         return _leader_allreduce(t, counts)
-    (x, y), (X, Y), row, col = t.coords, t.dims, "row", "col"
-    if algorithm == "hierarchical":  # the grid of its reduce-scatter and all-gather (hierarchical.py)
-        (x, y), (X, Y), row, col = (t.local_rank, t.node), (t.local_size, t.nodes), "local", "cross"
-    if collective == "allreduce":  # torus2d: the axis within nodes as the row (transposed when columns)
-        if level == "col":
-            x, y, X, Y, row, col = y, x, Y, X, "col", "row"
-        return _grid_allreduce(x, y, X, Y, counts, row, col)
-    return _grid_blocks(collective, x, y, X, Y, counts, row, col, level != "col")
+    return tuple(_lowered(p, level) for p in plans.grid_phases(collective, algorithm, t, counts))
+
+
+def _lowered(phase: torus2d.Phase, level: str):
+    """``phase`` over shared memory where its communicator is ``level``, else as its ring plan (keeping what
+    it leaves complete: later phases read only that)."""
+    if phase.comm == level:
+        counts = None if phase.collective == "allreduce" else phase.counts
+        return Shm(phase.comm, phase.collective, phase.inp, phase.out, counts, phase.final)
+    return Plan(phase.steps(), None if phase.collective == "allgather" else phase.out)
 
 
 def _leader_allreduce(t: Topology, count: int) -> tuple:
@@ -105,33 +113,3 @@ def _leader_allreduce(t: Topology, count: int) -> tuple:
     mine = whole if t.local_rank == 0 else (count, count)  # the broadcast: the leader's block is everything
     return (Shm("local", "allreduce", whole, whole, None), *cross,
             Shm("local", "allgather", mine, whole, (count,) + (0,) * (t.local_size - 1)))
-
-
-def _grid_allreduce(x: int, y: int, X: int, Y: int, count: int, row: str, col: str) -> tuple:
-    """torus2d.allreduce with its row phases over shared memory."""
-    cs, ds = chunks(count, X)
-    whole, own = (0, count), (ds[x], ds[x] + cs[x])
-    return (Shm(row, "reduce_scatter", whole, own, tuple(cs)),
-            Plan(ring.allreduce(col, y, Y, cs[x], base=ds[x]), own),
-            Shm(row, "allgather", own, whole, tuple(cs)))
-
-
-def _grid_blocks(collective: str, x: int, y: int, X: int, Y: int, counts, row: str, col: str,
-                 rows_within: bool) -> tuple:
-    """torus2d.reduce_scatter / allgather (block ``y*X + x`` on rank ``(x, y)``) with the phase along the
-    rows (``rows_within``) or along the columns over shared memory."""
-    displs = displacements(counts)
-    sc, sd = torus2d.row_segments(X, Y, counts, displs)
-    mine, me = slice(y * X, (y + 1) * X), y * X + x
-    whole, seg, own = (0, sum(counts)), (sd[y], sd[y] + sc[y]), (displs[me], displs[me] + counts[me])
-    if collective == "reduce_scatter":
-        if rows_within:
-            return (Plan(ring.reduce_scatter(col, y, Y, sc, sd, final=X == 1), seg),
-                    Shm(row, "reduce_scatter", seg, own, tuple(counts[mine]), final=X > 1))
-        return (Shm(col, "reduce_scatter", whole, seg, tuple(sc), final=X == 1),
-                Plan(ring.reduce_scatter(row, x, X, counts[mine], displs[mine], final=X > 1), own))
-    if rows_within:
-        return (Shm(row, "allgather", own, seg, tuple(counts[mine])),
-                Plan(ring.allgather(col, y, Y, sc, sd)))
-    return (Plan(ring.allgather(row, x, X, counts[mine], displs[mine])),
-            Shm(col, "allgather", seg, whole, tuple(sc)))
