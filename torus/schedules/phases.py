@@ -20,17 +20,12 @@ Where the shared-memory phases lie (``node_level``; several nodes, node-level co
   (the plan's middle phase), then a shared-memory all-gather in which the leader's block is the whole buffer
   and every other rank's is empty: a broadcast from the leader. Nodes may differ in size; a node of one rank
   has no shared-memory phase.
-- torus2d all-reduce, the axis within nodes first (``Topology.node_axis``; as ``columns_first`` orders the
-  plan): a shared-memory reduce-scatter along it, the ring all-reduce of this rank's chunk along the other
-  axis, a shared-memory all-gather along it.
-- reduce-scatter and all-gather of torus2d and of hierarchical (its grid: local x cross, nodes of equal
-  size): torus2d.py's two ring phases, the one along the axis within nodes over shared memory.
-
-The two-level phases are the schedules' own (``build.grid_phases``: torus2d.Phase, with the same transposition
-and communicators as the plain plan); ``build`` lowers each to its ring steps, this module lowers the one on the
-node-level communicator to a ``Shm`` call instead. Only the leader form of the hierarchical all-reduce is
-written here, as it differs from hierarchical.py's plan (a shared-memory all-reduce and broadcast in place of
-the node's reduce-scatter, gather, scatter and all-gather).
+- torus2d's calls, and hierarchical's reduce-scatter and all-gather (its grid: local x cross, nodes of equal
+  size): the schedules' own ring phases (``build.grid_phases``, torus2d.Phase: the all-reduce transposed
+  where ``columns_first``, as the plain plan), the one on the node-level communicator over shared memory,
+  every other lowered to its ring steps as ``build`` lowers them all. Only the leader form above is written
+  here: it is not hierarchical.py's plan (a shared-memory all-reduce and broadcast replace the node's
+  reduce-scatter, gather, scatter and all-gather).
 
 Each element is still reduced once per level, by one rank, and copied to the others, so every rank's result
 is bitwise identical; it need not equal the plain plan's bit for bit (the node level reduces in another order).
