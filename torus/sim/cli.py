@@ -207,7 +207,7 @@ def _check(ap, args) -> None:
         try:
             Network.parse(args.network)
         except ValueError as e:
-            ap.error(str(e))
+            ap.error(str(e).removeprefix("torus-sim: "))
     if args.params and not os.path.isfile(args.params):
         ap.error(f"--params {args.params}: no such file")
     if args.plot and importlib.util.find_spec("matplotlib") is None:

@@ -78,10 +78,12 @@ class Network:
         except ValueError:
             raise ValueError(f"torus-sim: network {text!r}: expected star, torus[:PxQ], fattree:LEAF[:OVERSUB]") \
                 from None
+        if net.kind == "torus" and min(net.dims) < 1:
+            raise ValueError(f"torus-sim: network {text!r}: a torus needs at least one node per dimension")
         if nodes is not None:
             net.check(nodes)
-        elif net.kind == "torus" and min(net.dims) < 1 or net.kind == "fattree":
-            net.check(net.leaf if net.kind == "fattree" else 1)
+        elif net.kind == "fattree":
+            net.check(net.leaf)
         return net
 
     def _capacity(self, nodes: int) -> np.ndarray:
