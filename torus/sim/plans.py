@@ -98,7 +98,8 @@ class RingArrays:
         return np.full(self.world.size if cols is None else len(cols), self.until[s])
 
 
-def _empty(S: int, n: int, world) -> Arrays:
+def empty(S: int, n: int, world) -> Arrays:
+    """``S`` steps of ``n`` ranks without a message (every send due at the end)."""
     neg = np.full((S, n), -1, np.int64)
     zero = np.zeros((S, n), np.int64)
     return Arrays(np.asarray(world, np.int64), neg, zero, np.zeros((S, n), bool), neg.copy(), zero.copy(),
@@ -184,7 +185,7 @@ def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays
         unit, label = [1] * N, list(range(N))
         reps = [getattr(torus2d, collective)(x, 0, X, Y, unit, label, row, col) for x in range(X)]
     S = len(reps[0])
-    a = _empty(S, N, np.arange(N))
+    a = empty(S, N, np.arange(N))
     for x, steps in enumerate(reps):
         if len(steps) != S:
             raise SimulationError(f"torus-sim {algorithm} {collective}: ranks differ in step counts")
