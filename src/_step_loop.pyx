@@ -45,6 +45,7 @@ cdef enum:
     SID = 7       # a send: its index among the plan's sends
     FINAL = 8     # a reducing receive that completes its element: apply the scale
     FRESH = 9     # out of place: read src instead of buf
+    INNER = 10    # a send the step's reductions overwrite: wait for it once the step's messages are posted
 
 
 
@@ -171,6 +172,13 @@ def run(const int64_t[:, ::1] msgs, const int64_t[::1] step_lo, const int64_t[::
                     if rc != MPI_SUCCESS:
                         status, mpi_rc = 2, rc
                         break
+                if status:
+                    break
+                for i in range(step_lo[si], step_lo[si + 1]):
+                    if msgs[i, KIND] == 1 and msgs[i, INNER]:
+                        status = _wait(&sreq[msgs[i, SID]], timeout, pause_ns, &mpi_rc)
+                        if status:
+                            break
                 if status:
                     break
                 nr = 0

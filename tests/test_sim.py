@@ -13,7 +13,7 @@ from torus.schedules.plan import Recv, Send, Step
 from torus.sim import closed_form, replay
 from torus.sim.cli import main
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
-from torus.sim.plans import ALGORITHMS, COLLECTIVES, NO_ORBIT, plan
+from torus.sim.plans import ALGORITHMS, COLLECTIVES, DEFAULT, NO_ORBIT, plan
 from torus.sim.simulate import simulate
 
 GRIDS = [(1, 5), (5, 1), (2, 2), (2, 3), (3, 2), (4, 6)]
@@ -29,17 +29,20 @@ def _counts(N: int):
 @pytest.mark.parametrize("X,Y", GRIDS)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("collective", COLLECTIVES)
-def test_counts_match_closed_form(X, Y, algorithm, collective):
+def test_counts_match_closed_form(X, Y, algorithm, collective, monkeypatch):
     """Steps and mean bytes sent/reduced per rank equal the closed forms for every count; steps only once
-    every chunk is non-empty (an empty chunk is no message)."""
+    every chunk is non-empty (an empty chunk is no message). ``swing`` in its bandwidth-optimal form here."""
+    monkeypatch.setenv("TORUS_SWING_LATENCY_BYTES", "-1")
     L = X if algorithm == "hierarchical" else 1  # hierarchical: the rows are the nodes
     layout = Layout(X, Y, L)
     N = layout.N
     for count in _counts(N):
         r = simulate(algorithm, collective, layout, count, "float64", COST1, "full", shm_phases=False)
         M = count * 8
-        back = sum(chunks(count, N)[0][w] * 8 for w in swing.folded(X, Y)) if algorithm == "swing" else 0
+        back = sum(chunks(count, N)[0][w] * 8 for w in swing.folded(X, Y)) if "swing" in algorithm else 0
         sent, reduced = closed_form.sent_per_rank(collective, N, M, back), (N - 1) / N * M
+        if algorithm == "swing_latency" and collective == "allreduce":
+            sent, reduced = closed_form.swing_latency_bytes(N, X, Y, M)
         if algorithm == "hierarchical" and collective == "allreduce":
             c0 = chunks(count, L)[0][0] * 8
             C = N // L
@@ -58,13 +61,15 @@ def test_counts_match_closed_form(X, Y, algorithm, collective):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("cost", [COST1, COST2], ids=["one-level", "two-level"])
-def test_time_matches_closed_form(X, Y, algorithm, collective, cost):
+def test_time_matches_closed_form(X, Y, algorithm, collective, cost, monkeypatch):
     """Divisible counts: the predicted time is the closed-form α-β-γ formula (two levels: rows are nodes; a
-    ring that leaves the node anywhere runs at its slowest link, since every step waits for it)."""
+    ring that leaves the node anywhere runs at its slowest link, since every step waits for it). ``swing``
+    in its bandwidth-optimal form here."""
+    monkeypatch.setenv("TORUS_SWING_LATENCY_BYTES", "-1")
     layout = Layout(X, Y, X)
     N = layout.N
     count = 12 * N * N
-    if algorithm == "swing" and collective != "allreduce":
+    if "swing" in algorithm and collective != "allreduce":
         pytest.skip("swing: a closed form for the all-reduce only (closed_form.time)")
     r = simulate(algorithm, collective, layout, count, "float32", cost, "full", shm_phases=False)
     if algorithm == "ring" and cost.inter_alpha is not None and layout.nodes > 1:
@@ -74,7 +79,7 @@ def test_time_matches_closed_form(X, Y, algorithm, collective, cost):
         expect = closed_form.time(algorithm, collective, count * 4, cost.alpha, cost.beta, cost.gamma, N, X, Y,
                                   X, cost.inter_alpha, cost.inter_beta)
     assert r.time == pytest.approx(expect, rel=1e-12)
-    symmetric = algorithm != "swing" or not swing.folded(X, Y)  # the folds' partners send more
+    symmetric = "swing" not in algorithm or not swing.folded(X, Y)  # the folds' partners send more
     if symmetric and (algorithm != "hierarchical" or collective != "allreduce"):  # every rank sends alike
         assert r.sent_max == pytest.approx(r.sent_mean, rel=1e-12)
 
@@ -96,7 +101,7 @@ def test_symmetric_ranks_finish_together():
     time and depth (the premise of the orbit fast path)."""
     layout = Layout(4, 6)
     for algorithm in ("ring", "torus2d"):
-        plans = {r: plan(algorithm, "allreduce", r, layout, 24 * 5) for r in range(24)}
+        plans = {r: plan(algorithm, "allreduce", r, layout, 24 * 5, 4) for r in range(24)}
         end, _, _ = replay.full(plans, layout, COST1, 4)
         assert len(set(end.values())) == 1
 
@@ -162,7 +167,7 @@ def test_cli_sweep_json_and_plot(tmp_path, capsys):
     assert main(["--sweep", "-b", "1K", "-e", "16K", "-f", "4", "--ranks", "6,8", "--ranks-per-node", "2",
                  "--json", str(out), "--plot", str(png)]) == 0
     data = json.loads(out.read_text())
-    assert len(data["results"]) == 2 * len(ALGORITHMS) * 3  # rank counts x the default schedules x sizes
+    assert len(data["results"]) == 2 * len(DEFAULT) * 3  # rank counts x the default schedules x sizes
     assert {r["nbytes"] for r in data["results"]} == {1024, 4096, 16384}
     assert png.stat().st_size > 1000
     assert "torus2d" in capsys.readouterr().out

@@ -44,7 +44,7 @@ def test_deadlines_without_compiling_equal_compile_plans(algorithm, collective, 
     layout = Layout(4, 3, 2)
     checked = 0
     for rank in range(layout.N):
-        steps = P.plan(algorithm, collective, rank, layout, count)
+        steps = P.plan(algorithm, collective, rank, layout, count, 4)
         got = phased._deadlines(steps)
         if got is None:  # regions that overlap in part: compiled instead
             continue

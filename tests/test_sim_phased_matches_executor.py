@@ -79,7 +79,8 @@ def _execute(algorithm, collective, layout, counts, seg, data):
         ex = _Recording({n: t.comm(topo, n) for n in ("world", "row", "col", "local", "cross")}, r, seg, None,
                         shm_by_name)
         ex.c_loop, ex.log = False, []
-        algo = effective(collective, algorithm, topo)
+        nbytes = (counts if isinstance(counts, int) else sum(counts)) * ITEMSIZE
+        algo = effective(collective, algorithm, topo, nbytes)
         runs[r] = (ex, ex.phases(collective, algo, topo, counts, ITEMSIZE, True))
         bufs[r] = data[r].copy()
     run_ranks(N, lambda r: runs[r][0].run_phases(collective, runs[r][1], bufs[r], "sum", 1.0, None, False))
@@ -121,10 +122,10 @@ def test_phased_replay_matches_executor(layout, algorithm, collective):
     rng = np.random.default_rng(N * 7 + layout.nodes)
     for count in (0, 1, N + 1, 9 * N + 5):
         counts = count if collective == "allreduce" else tuple(chunks(count, N)[0])
-        per_rank = phased.build(algorithm, collective, layout, counts)
+        per_rank = phased.build(algorithm, collective, layout, counts, ITEMSIZE)
         if per_rank is None:  # no node-level phase: the plain replay of test_sim_replay_matches_executor
-            assert algorithm in ("ring", "swing") or not any(
-                phase_lists.node_level(collective, effective(collective, algorithm, layout.topology(r)),
+            assert algorithm in ("ring", "swing", "swing_latency") or not any(
+                phase_lists.node_level(collective, effective(collective, algorithm, layout.topology(r), 0),
                                        layout.topology(r)) for r in range(N))
             return
         data = {r: rng.standard_normal(count) for r in range(N)}

@@ -101,7 +101,7 @@ def _execute(algorithm, collective, layout, count, seg, data):
         topo = layout.topology(r)
         ex = _Recording({n: t.comm(topo, n) for n in ("world", "row", "col", "local", "cross")}, r, seg, None)
         ex.c_loop, ex.log = False, []
-        plans[r] = (ex, ex.compile(plan(algorithm, collective, r, layout, count), ITEMSIZE))
+        plans[r] = (ex, ex.compile(plan(algorithm, collective, r, layout, count, ITEMSIZE), ITEMSIZE))
         bufs[r] = data[r].copy()
 
     run_ranks(N, lambda r: plans[r][0].run(collective, plans[r][1], bufs[r], "sum", 1.0))
@@ -135,9 +135,11 @@ def _sim_view(compiled, layout):
     log, waits = {}, {}
     for r, (per_step, retire) in steps.items():
         ev, wt = [], []
-        for s, (out, inc) in enumerate(per_step):
+        for s, (out, inc, inner) in enumerate(per_step):
             if retire[s]:
                 wt.append(sorted(retire[s]))
+            if inner:  # waited once the step's messages are posted (a step reducing into what it sends)
+                wt.append(sorted(inner))
             ev += [("send", key[0], key[2], sends[key][k][1] * ITEMSIZE, s) for key, k in out]
             ev += [("recv", key[0], key[1], recvs[key][k][1] * ITEMSIZE, s) for key, k in inc]
         if retire[-1]:
@@ -190,10 +192,10 @@ def _check_replay(layout, algorithm, collective):
             log, waits, compiled, bufs = _execute(algorithm, collective, layout, count, seg or replay.UNSEGMENTED,
                                                   data)
             sim_log, sim_waits = _sim_view(replay.compile_all(
-                {r: plan(algorithm, collective, r, layout, count) for r in range(N)}, cost, ITEMSIZE), layout)
+                {r: plan(algorithm, collective, r, layout, count, ITEMSIZE) for r in range(N)}, cost, ITEMSIZE), layout)
             keys = _sid_keys(compiled, layout)
-            _, st, _ = replay.full({r: plan(algorithm, collective, r, layout, count) for r in range(N)}, layout,
-                                   cost, ITEMSIZE)
+            _, st, _ = replay.full({r: plan(algorithm, collective, r, layout, count, ITEMSIZE) for r in range(N)},
+                                   layout, cost, ITEMSIZE)
             for r in range(N):
                 what = f"{algorithm} {collective} {layout} count {count} segment {seg} rank {r}"
                 # the executor tags by step index: compare the tag with the replay's step
@@ -210,9 +212,9 @@ def _check_replay(layout, algorithm, collective):
 
 
 def _brute_deadline(cp, si, m):
-    for t in range(si + 1, len(cp.steps)):
-        st = cp.steps[t]
-        spans = [(x.lo, x.hi) for x in st.recvs if x.hi > x.lo]
+    for t in range(si, len(cp.steps)):
+        st = cp.steps[t]  # its own step where that reduces into it (the reduction waits for the send)
+        spans = [(x.lo, x.hi) for x in st.recvs if x.hi > x.lo and (t > si or x.tmp_lo >= 0)]
         if st.scale is not None and st.scale[1] > st.scale[0]:
             spans.append(st.scale)
         if any(a < m.hi and m.lo < b for a, b in spans):
@@ -224,20 +226,24 @@ def _brute_deadline(cp, si, m):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_deadlines_brute_force(X, Y, L, algorithm, collective):
-    """Each send's deadline is the first later step writing any element it reads (or the end), and each
-    step retires exactly the sends due there."""
+    """Each send's deadline is the first later step writing any element it reads (or the end; or its own
+    step where that reduces into it), and each step retires exactly the sends due there before it starts,
+    and its own after posting them (``inner``)."""
     layout = Layout(X, Y, L)
     N = layout.N
     comms = dict.fromkeys(("world", "row", "col", "local", "cross"))
     for count in (1, N + 1, 5 * N + 2):
         for seg in (8, 24, 1 << 30):
             for r in range(N):
-                cp = compile_plan(plan(algorithm, collective, r, layout, count), comms, seg, ITEMSIZE)
+                cp = compile_plan(plan(algorithm, collective, r, layout, count, ITEMSIZE), comms, seg, ITEMSIZE)
                 due = defaultdict(list)
                 for si, m in cp.sends:
                     assert m.until == _brute_deadline(cp, si, m)
                     due[m.until].append(m.sid)
-                assert [sorted(s.retire) for s in cp.steps] == [sorted(due[t]) for t in range(len(cp.steps))]
+                inner = [sorted(m.sid for m in st.sends if m.until == t) for t, st in enumerate(cp.steps)]
+                assert [sorted(st.inner) for st in cp.steps] == inner
+                assert [sorted(s.retire) for s in cp.steps] == [sorted(set(due[t]) - set(inner[t]))
+                                                                for t in range(len(cp.steps))]
                 assert sorted(cp.tail) == sorted(due[len(cp.steps)])
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torus import knobs
 
-ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm", "swing")
+ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm", "swing", "swing_latency")
 
 # (largest communicator size the row applies to, largest nbytes, placement the row applies to, algorithm);
 # None = no limit / both placements; first match wins. Rows apply to all three collectives (reduce-scatter

@@ -55,7 +55,7 @@ class Shapes:
             buffers.fail(what, t.rank, ValueError, f"algorithm 'shm' needs every rank on one node; these "
                                                    f"{t.size} ranks are on {t.nodes} nodes (use ring, "
                                                    "hierarchical or torus2d)")
-        algo = effective(what, algo, t)
+        algo = effective(what, algo, t, p.count * p.dtype.itemsize)
         phased = self.shm_phases and node_level(what, algo, t) is not None
         mine = agreement.signature(what, algo, op, p.dtype, p.count, p.counts, self.segment_bytes, t.dims[0],
                                    phased)

@@ -54,11 +54,12 @@ _MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "ma
 # 4 and 6 ranks), torus2d-3x2-rpn3 and torus2d-2x3-rpn4 (rows inside nodes of 4 and 2) at 6 ranks;
 # hierarchical-rpn2-p2p keeps MPI's messages there. swing: the default grid (a line at 1, 2, 3 and 5 ranks,
 # 2x2 at 4, 2x3 at 6: the column folded), swing-1xN the line at 4 and 6 (folded at 6), swing-3x2 the row
-# folded (6 ranks).
+# folded (6 ranks); swing_latency the latency-optimal all-reduce at every count on the default grid (swing
+# itself takes it up to TORUS_SWING_LATENCY_BYTES).
 CASES = ["ring", "native", "shm", "torus2d-1xN", "torus2d-Nx1", "torus2d-2x2", "torus2d-2x3", "torus2d-3x2",
          "torus2d-rpn2", "torus2d-3x2-rpn3", "torus2d-2x3-rpn4", "hierarchical-rpn1", "hierarchical-rpn2",
          "hierarchical-rpn3", "hierarchical-rpn4", "hierarchical-rpnN", "hierarchical-nodes", "hierarchical-rpn2-p2p",
-         "swing", "swing-1xN", "swing-3x2"]
+         "swing", "swing-1xN", "swing-3x2", "swing_latency"]
 _comms: dict = {}
 # recvcounts patterns for reduce-scatter and all-gather; those in BLOCK_FORM are passed as recvcounts=None.
 PATTERNS = {

@@ -60,11 +60,12 @@ def table(steps, itemsize: int, tail) -> tuple:
     for si, st in enumerate(steps):
         for m in st.recvs:
             rows.append((0, _comm(comms, m), m.peer, m.lo, m.hi, max(m.tmp_lo, 0), int(m.tmp_lo >= 0), -1,
-                         int(m.final), int(m.fresh)))
+                         int(m.final), int(m.fresh), 0))
             msgs.append((si, m))
         for m in st.sends:
             send_row[m.sid] = len(rows)
-            rows.append((1, _comm(comms, m), m.peer, m.lo, m.hi, 0, 0, m.sid, 0, int(m.fresh)))
+            rows.append((1, _comm(comms, m), m.peer, m.lo, m.hi, 0, 0, m.sid, 0, int(m.fresh),
+                         int(m.sid in st.inner)))
             msgs.append((si, m))
         step_lo.append(len(rows))
         retire.extend(st.retire)
@@ -73,8 +74,8 @@ def table(steps, itemsize: int, tail) -> tuple:
         prefill_lo.append(len(prefill))
         scales.append(st.scale if st.scale is not None else (-1, -1))
     i64 = np.int64
-    to_bytes = np.array([1, 1, 1, itemsize, itemsize, itemsize, 1, 1, 1, 1], i64)
-    return (np.array(rows, i64).reshape(-1, 10) * to_bytes, np.array(step_lo, i64), np.array(retire, i64),
+    to_bytes = np.array([1, 1, 1, itemsize, itemsize, itemsize, 1, 1, 1, 1, 1], i64)
+    return (np.array(rows, i64).reshape(-1, 11) * to_bytes, np.array(step_lo, i64), np.array(retire, i64),
             np.array(retire_lo, i64), np.array(tail, i64), np.array([send_row[k] for k in range(len(send_row))], i64),
             np.array(prefill, i64).reshape(-1, 2) * itemsize, np.array(prefill_lo, i64),
             np.array(scales, i64).reshape(-1, 2), _step_loop.Communicators(tuple(c for _, c in comms.values())),

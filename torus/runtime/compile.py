@@ -5,7 +5,9 @@ working buffer), each reducing receive given its place in scratch, and each send
 Deadlines: a send is waited for only before the first later step that writes its region (or at the end):
 waiting at the end of its own step would make each rank wait for its right neighbour to receive before it may
 receive from its left, a chain of handshakes that costs a scheduler round trip per step when ranks outnumber
-cores.
+cores. A step may reduce into a region it also sends (Swing's latency-optimal all-reduce exchanges the whole
+buffer at every step): those sends are the step's ``inner`` ones, waited for once the step's messages are
+posted and before its receives are reduced, since a reduction must not write what a send still reads.
 
 Out of place (the interpreter's ``src``) nothing is copied up front: a send reads ``src`` while its region is
 still untouched in the working buffer (``fresh``), and the first reduction into a region reads ``src`` and
@@ -47,6 +49,7 @@ class _Step:
     scale: tuple | None  # (lo, hi) to scale when no reduce completed the owner's region
     prefill: tuple = ()  # out of place: (lo, hi) regions to copy from src before this step
     retire: tuple = ()  # sends (``sid``) whose deadline is this step: wait for them before it starts
+    inner: tuple = ()  # sends (``sid``) of this step that its reductions overwrite: wait before reducing
 
 
 @dataclass(frozen=True)
@@ -113,10 +116,27 @@ def _fresh(touched: _Touched, lo: int, hi: int, prefill: list) -> bool:
     return False
 
 
+def _own_writes(step: _Step) -> list:
+    """The sorted, merged ``[lo, hi)`` spans that ``step``'s reducing receives write."""
+    out: list = []
+    for lo, hi in sorted((m.lo, m.hi) for m in step.recvs if m.hi > m.lo and m.tmp_lo >= 0):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _overlaps(spans: list, lo: int, hi: int) -> bool:
+    i = bisect_left(spans, (hi,))  # spans starting before hi: the last of them is the only candidate
+    return lo < hi and i > 0 and spans[i - 1][1] > lo
+
+
 def _deadlines(steps: list) -> tuple:
     """Set each send's ``until`` (the first later step that writes, i.e. receives into, reduces into or
     scales, any element the send reads from buf, or ``len(steps)``; reading the same region again is no
-    conflict) and its ``sid``, and give each step the sends to wait for before it (``retire``).
+    conflict; its own step where that step reduces into it) and its ``sid``, and give each step the sends
+    to wait for before it (``retire``) and before its reductions (``inner``).
     Returns (steps, every send as (step, message), the sends left for the end).
 
     One backward pass over the steps keeps, per elementary interval of the buffer (cut at every message
@@ -141,13 +161,15 @@ def _deadlines(steps: list) -> tuple:
     every: list = []
     retire: list = [[] for _ in range(len(steps) + 1)]
     for si, st in enumerate(steps):
-        sends = []
+        sends, inner, own = [], [], _own_writes(st) if st.sends else []
         for m, until in zip(st.sends, untils[si]):
+            if own and _overlaps(own, m.lo, m.hi):
+                until = si
             m = replace(m, until=until, sid=len(every))
-            retire[until].append(m.sid)
+            (inner if until == si else retire[until]).append(m.sid)
             every.append((si, m))
             sends.append(m)
-        out.append(replace(st, sends=tuple(sends)))
+        out.append(replace(st, sends=tuple(sends), inner=tuple(inner)))
     out = [replace(st, retire=tuple(retire[si])) for si, st in enumerate(out)]
     return out, tuple(every), tuple(retire[len(steps)])
 

@@ -3,7 +3,8 @@ kind of memory, against a memory policy (torus.runtime.memory: ``HostMemory``, `
 
 Per step: wait for the sends whose deadline it is, bring in the out-of-place input the step needs
 (``prefill``), post every receive (into the buffer, or into scratch for a reducing receive), let the policy
-stage what the sends read, post every send, then wait for the receives in order and hand each to the policy
+stage what the sends read, post every send, wait for those the step's reductions overwrite
+(``inner``), then wait for the receives in order and hand each to the policy
 as it arrives (the host reduces it at once, so later segments' transfer overlaps this segment's reduction;
 the device batches them per step). At the end: wait for the remaining sends, let the policy finish.
 
@@ -38,6 +39,8 @@ def run(ex, what: str, plan: CompiledPlan, memory) -> None:
         memory.stage_sends(step.sends)
         for m in step.sends:
             reqs[m.sid] = m.comm.Isend([memory.send_data(m), MPI.BYTE], m.peer, tag)
+        if step.inner:
+            ex.wait_sends(reqs, step.inner, plan, what)
         for req, m in zip(pending, step.recvs):
             ex.wait(req, what, si, nsteps, m)
             memory.received(m)

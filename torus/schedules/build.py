@@ -1,8 +1,8 @@
 """One plan builder for TorusComm and the simulator: ``build(collective, algorithm, topology, counts)``.
 
 ``counts``: the element count (all-reduce) or the per-rank block counts (reduce-scatter, all-gather).
-``algorithm`` is one of ring, torus2d, hierarchical, swing (native has no plan); the ring visits the ranks node
-by node (``Topology.ring_order``), the 2D-torus all-reduce runs its node-local axis first
+``algorithm`` is one of ring, torus2d, hierarchical, swing, swing_latency (native has no plan); the ring
+visits the ranks node by node (``Topology.ring_order``), the 2D-torus all-reduce runs its node-local axis first
 (``Topology.columns_first``); swing runs on the grid (``Topology.dims``, a line when a side is 1) in rank
 order. Pass the algorithm through ``effective``
 first, which is where the hierarchical reduce-scatter and all-gather fall back to the ring on nodes that are
@@ -10,15 +10,23 @@ not equal runs of consecutive ranks (their blocks follow the rank order).
 """
 from __future__ import annotations
 
+from torus import knobs
 from torus.partition import displacements
 from torus.schedules import hierarchical, ring, swing, torus2d
 from torus.topology import Topology
 
 
-def effective(collective: str, algorithm: str, topology: Topology) -> str:
-    """The algorithm that runs: ``algorithm``, or the ring where hierarchical cannot serve ``collective``."""
+def effective(collective: str, algorithm: str, topology: Topology, nbytes: int) -> str:
+    """The algorithm that runs a call of ``nbytes``: ``algorithm``, or the ring where hierarchical cannot
+    serve ``collective``; ``swing`` all-reduces of at most ``TORUS_SWING_LATENCY_BYTES`` run the
+    latency-optimal form (``swing_latency``), and ``swing_latency`` serves only the all-reduce (``swing``
+    otherwise: its reduce-scatter and all-gather are already the ``log2 p`` steps of the paper)."""
     if algorithm == "hierarchical" and collective != "allreduce" and not topology.node_grid:
         return "ring"
+    if algorithm == "swing" and collective == "allreduce" and nbytes <= knobs.read("TORUS_SWING_LATENCY_BYTES"):
+        return "swing_latency"
+    if algorithm == "swing_latency" and collective != "allreduce":
+        return "swing"
     return algorithm
 
 
@@ -48,6 +56,8 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
             return ring.allreduce("world", t.ring_position, t.size, counts, order=t.ring_order)
         if algorithm == "swing":
             return swing.allreduce(x, y, X, Y, counts)
+        if algorithm == "swing_latency":
+            return swing.allreduce_latency(x, y, X, Y, counts)
         return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
     displs = displacements(counts)
     rs = collective == "reduce_scatter"

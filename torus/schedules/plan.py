@@ -6,8 +6,10 @@ communicator, in which order*; ``executor.py`` moves the bytes over MPI and call
 of the working buffer. Communicators are named: ``"world"``, ``"row"``, ``"col"``, ``"local"``, ``"cross"``;
 peers are ranks within the named communicator.
 
-Within one step every receive is posted before any send, and a schedule never lets a step send from a region
-that the same step receives into (so the executor may overlap them freely). The executor tags every message
+Within one step every receive is posted before any send. A step never sends from a region that it receives
+into by copying; it may send from a region that it reduces into (Swing's latency-optimal all-reduce): the
+send carries the region as it was before the step, and the step's reductions wait for that send
+(runtime/compile.py). The executor tags every message
 with its step index, so a send and the receive that matches it must sit at the same index of the two ranks'
 plans: where ranks play different roles (a node leader, a node of fewer ranks) the schedule pads with empty
 steps (``pad``).

@@ -301,6 +301,33 @@ def allreduce(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col:
     return _swing_rs(g, group, final=True) + _swing_ag(g, group, lambda a, b: ())
 
 
+def allreduce_latency(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col: str = "col") -> list:
+    """Plan of rank ``(x, y)`` for Swing's latency-optimal all-reduce (the paper's section 3.1 form): at every
+    core step a rank and its peer exchange the whole buffer and both reduce it, ``log2 p`` steps of
+    ``count`` elements each (against the bandwidth-optimal form's ``2 log2 p`` steps and ``2(p-1)/p`` of the
+    buffer). The steps run in the all-gather's order (the last axis step first), so the ranks a rank has
+    reached after a step are one of that step's groups: every rank reduces the same tree and the results are
+    bitwise identical. Folded ranks hand their buffer to their core partner before the core steps (row, then
+    column) and get the result back after them (column, then row)."""
+    g = _grid(x, y, X, Y, row, col)
+    L = len(g.steps)
+    if L == 0:
+        return [Step(scale=Scale(0, count))]
+    whole = _runs([(0, count)])
+
+    def everything(a: int, b: int) -> tuple:
+        return whole
+    out = g.fold_in(everything, everything, reduce=True)
+    for i, s in enumerate(range(L - 1, -1, -1)):
+        if g.extra_on:
+            out.append(Step())
+            continue
+        comm, peer, _ = g.core_step(s)
+        out.append(Step(sends=tuple(Send(comm, peer, o, c) for o, c in whole),
+                        recvs=tuple(Recv(comm, peer, o, c, reduce=True, final=i == L - 1) for o, c in whole)))
+    return out + g.fold_out(everything, everything)
+
+
 def _own_and_row(g: _Grid, counts, displs):
     """(own, folded): world rank ``(x, y)``'s block; its block and, when it is a row partner, its row-folded
     rank's (what a column-folded rank stands for after the row fold)."""

@@ -27,8 +27,8 @@ from torus import cli
 from torus.bench.sweep import format_size, parse_size, size_steps
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
 from torus.sim.network import Network
-from torus.sim.plans import ALGORITHMS as SCHEDULES
 from torus.sim.plans import COLLECTIVES
+from torus.sim.plans import DEFAULT as SCHEDULES
 from torus.sim.simulate import ALGORITHMS, simulate
 from torus.topology import node_dims
 

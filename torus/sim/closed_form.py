@@ -11,23 +11,23 @@ Steps and bytes:
   the ring; the column phase moves ``M/X`` per rank and is the only phase that leaves the node when ``X = L``.
 - hierarchical (ibid., section 3.2): the leaders' ring moves the whole ``M`` across nodes (``2(C-1)/C·M`` per
   leader) after a node-local reduce-scatter and gather to the leader; ``2(L-1) + 2 + 2(C-1)`` steps.
-
 - swing (De Sensi et al., NSDI'24, section 3; torus/schedules/swing.py): on a power-of-two core of ``P``
   ranks (``2**k`` per axis, the rest folded in), ``log2 P`` steps per reduce-scatter or all-gather, halving
   the data each step; a folded axis adds a step before and one after. Summed over ranks, the all-reduce and
   the all-gather send what the ring sends (the folds add ``2M`` per folded rank and the core saves as much);
-  the reduce-scatter sends the folded ranks' blocks once more (handed back). The folds' partners send most:
-  ``sent_max`` exceeds the mean there.
+  the reduce-scatter sends the folded ranks' blocks once more (handed back). The folds' partners send most.
+- swing_latency (ibid., section 3.1): ``log2 P`` core steps of the whole ``M`` (sent and reduced), per folded
+  axis a step in and one out (``swing_latency_bytes``); its reduce-scatter and all-gather are swing's.
 
 Time (α-β-γ, one level unless stated): ring all-reduce ``2(N-1)(α + β·M/N) + (N-1)·γ·M/N``; 2D-torus
 all-reduce ``2(X-1)(α + β·M/X) + (X-1)γM/X + 2(Y-1)(α + β·M/N) + (Y-1)γM/N`` (row and column levels may use
 different α/β); hierarchical all-reduce with intra (αi, βi) and inter (αe, βe) levels:
 ``(L-1)(αi + (βi+γ)M/L) + 2(αi + (L-1)βi·M/L) + 2(C-1)(αe + βe·M/C) + (C-1)γM/C + (L-1)(αi + βi·M/L)``
-(the gather and the scatter each push ``L-1`` chunks through the leader's one port). Swing all-reduce:
-per core step ``s`` (of ``log2 P``) ``α + (β+γ)M/2**(s+1)`` and ``α + βM/2**(s+1)`` at the level of that
-step's axis, and a folded axis ``α + (β+γ)M/2**j`` in and ``α + βM/2**j`` out at its first step ``j`` (the
-axes alternate from an unfolded one where there is one: ``j = 1`` for a grid with one folded axis, ``j = 0``
-on a line).
+(the gather and the scatter each push ``L-1`` chunks through the leader's one port). swing_latency: per core
+step ``α + (β+γ)M`` at its axis' level, per folded axis ``2α + (2β+γ)M``. Swing all-reduce: per core step
+``s`` (of ``log2 P``) ``α + (β+γ)M/2**(s+1)`` and ``α + βM/2**(s+1)`` at the level of that step's axis, and a
+folded axis ``α + (β+γ)M/2**j`` in and ``α + βM/2**j`` out at its first step ``j`` (the axes alternate from
+an unfolded one where there is one: ``j = 1`` for a grid with one folded axis, ``j = 0`` on a line).
 """
 from __future__ import annotations
 
@@ -40,10 +40,11 @@ def _swing_axes(X: int, Y: int) -> list:
 
 def steps(algorithm: str, collective: str, N: int, X: int = 1, Y: int = 1, L: int = 1) -> int:
     """Messages in sequence on the critical path."""
-    if algorithm == "swing":
+    if algorithm in ("swing", "swing_latency"):
         axes = _swing_axes(X, Y)
         core = sum(k for k, _ in axes)
-        return (2 if collective == "allreduce" else 1) * core + 2 * sum(f for _, f in axes)
+        rounds = 2 if collective == "allreduce" and algorithm == "swing" else 1
+        return rounds * core + 2 * sum(f for _, f in axes)
     if algorithm == "ring":
         return (2 if collective == "allreduce" else 1) * (N - 1)
     if algorithm == "hierarchical":
@@ -58,6 +59,16 @@ def sent_per_rank(collective: str, N: int, M: float, folded_bytes: float = 0.0) 
     Swing's, whose reduce-scatter also hands back ``folded_bytes`` (the folded ranks' blocks) once."""
     return (2 if collective == "allreduce" else 1) * (N - 1) / N * M + \
         (folded_bytes / N if collective == "reduce_scatter" else 0.0)
+
+
+def swing_latency_bytes(N: int, X: int, Y: int, M: float) -> tuple[float, float]:
+    """(bytes sent, bytes reduced) per rank on average in the latency-optimal Swing all-reduce of ``M``
+    bytes: ``P`` core ranks send and reduce ``M`` at each of ``log2 P`` steps, and each of the ``N - P``
+    folded ranks sends ``M`` to its partner (reduced there) and receives ``M`` back."""
+    axes = _swing_axes(X, Y)
+    P = 1 << sum(k for k, _ in axes)
+    k = sum(k for k, _ in axes)
+    return (P * k * M + 2 * (N - P) * M) / N, (P * k * M + (N - P) * M) / N
 
 
 def inter_node_per_rank(algorithm: str, N: int, X: int, L: int, M: float) -> float:
@@ -88,7 +99,13 @@ def time(algorithm: str, collective: str, M: float, alpha: float, beta: float, g
 
     if algorithm == "ring":
         return ring(N, M, alpha, beta, rs, ag)
-    if algorithm == "swing":
+    if algorithm == "swing_latency" and collective == "allreduce":
+        line = X == 1 or Y == 1
+        levels = [(ae, be) if X == 1 else (alpha, beta)] if line else [(alpha, beta), (ae, be)]
+        axes = _swing_axes(X, Y)
+        return sum(k * (a + (b + gamma) * M) + f * (2 * a + (2 * b + gamma) * M)
+                   for (k, f), (a, b) in zip(axes, levels))
+    if algorithm in ("swing", "swing_latency"):
         if collective != "allreduce":
             raise ValueError("swing: closed form for the all-reduce only (a reduce-scatter's or all-gather's "
                              "groups of blocks may be several messages per step)")

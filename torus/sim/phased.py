@@ -30,16 +30,17 @@ def _key(phase) -> tuple:
     return ("plan",) if isinstance(phase, phase_lists.Plan) else ("shm", phase.comm, phase.collective)
 
 
-def build(algorithm: str, collective: str, layout: Layout, counts) -> dict | None:
+def build(algorithm: str, collective: str, layout: Layout, counts, itemsize: int) -> dict | None:
     """{world rank: its phases} as TorusComm builds them with ``shm_phases`` on, or None where no rank's
     call is phased (one node, or no node-level phase of several ranks: the plain plan runs)."""
     t0 = layout.topology(0)  # node_level and effective are the same on every rank (whole-layout functions)
-    if phase_lists.node_level(collective, effective(collective, algorithm, t0), t0) is None:
+    nbytes = (counts if isinstance(counts, int) else sum(counts)) * itemsize
+    if phase_lists.node_level(collective, effective(collective, algorithm, t0, nbytes), t0) is None:
         return None
     out = {}
     for r in range(layout.N):
         t = layout.topology(r)
-        out[r] = phase_lists.build(collective, effective(collective, algorithm, t), t, counts, True)
+        out[r] = phase_lists.build(collective, effective(collective, algorithm, t, nbytes), t, counts, True)
     return out
 
 
@@ -139,8 +140,8 @@ def _lockstep(plans: dict, layout: Layout, cost: Cost, itemsize: int, clock: dic
 def _deadlines(steps) -> list | None:
     """compile_plan's send deadlines (as ``plans.deadlines``) for a plan whose regions are each either the
     same as or disjoint from every other (a ring's chunks), without compiling it: a send is due at the next
-    later step that writes its region, whatever the segment size, as every element of it is next written
-    there. None where two regions overlap in part (then compile)."""
+    later step that writes its region (its own, where it reduces into it), whatever the segment size, as
+    every element of it is next written there. None where two regions overlap in part (then compile)."""
     regions = sorted({(m.offset, m.offset + m.count) for st in steps for m in (*st.sends, *st.recvs) if m.count}
                      | {(st.scale.offset, st.scale.offset + st.scale.count) for st in steps
                         if st.scale is not None and st.scale.count})
@@ -152,7 +153,8 @@ def _deadlines(steps) -> list | None:
         st = steps[s]
         sends = [(m.offset, m.offset + m.count) for m in st.sends if m.count]
         if sends:
-            due = {nxt.get(r, len(steps)) for r in sends}
+            own = {(m.offset, m.offset + m.count) for m in st.recvs if m.count and m.reduce}
+            due = {s if r in own else nxt.get(r, len(steps)) for r in sends}
             if len(due) > 1:
                 return None
             out[s] = due.pop()

@@ -25,18 +25,21 @@ from torus.schedules import ring, torus2d
 from torus.schedules.build import build, effective
 from torus.sim.model import Layout, SimulationError
 
-ALGORITHMS = ("ring", "hierarchical", "torus2d", "swing")
-NO_ORBIT = ("swing",)  # no rotation derives every rank from a few: replayed in full at every size
+ALGORITHMS = ("ring", "hierarchical", "torus2d", "swing", "swing_latency")
+DEFAULT = ALGORITHMS[:4]  # torus-sim's default sweep: swing takes its latency-optimal form where it runs it
+NO_ORBIT = ("swing", "swing_latency")  # no rotation derives every rank from a few: replayed in full at every size
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 
 
-def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int):
+def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int, itemsize: int):
     """The list of Steps ``rank`` runs; ``count`` in elements (reduce-scatter and all-gather: ``chunks(count,
     N)`` blocks). Built by the same ``torus.schedules.build`` as TorusComm's, on the layout's topology, with
-    its fallback (``effective``: hierarchical reduce-scatter and all-gather run the ring on uneven nodes)."""
+    its decisions (``effective``: hierarchical reduce-scatter and all-gather run the ring on uneven nodes; a
+    swing all-reduce of ``count * itemsize`` bytes takes its latency-optimal form up to
+    ``TORUS_SWING_LATENCY_BYTES``)."""
     counts = count if collective == "allreduce" else tuple(chunks(count, layout.N)[0])
     topology = layout.topology(rank)
-    return build(collective, effective(collective, algorithm, topology), topology, counts)
+    return build(collective, effective(collective, algorithm, topology, count * itemsize), topology, counts)
 
 
 @dataclass
@@ -229,7 +232,7 @@ def verify(a, algorithm: str, collective: str, layout: Layout, count: int, ranks
         for j in range(len(cols)):
             derived[j].append((int(rp[j]), int(rb[j]), bool(rr[j]) and rp[j] >= 0, int(sp[j]), int(sb[j])))
     for j, (r, mine) in enumerate(zip(ranks, derived)):
-        steps = plan(algorithm, collective, r, layout, count)
+        steps = plan(algorithm, collective, r, layout, count, itemsize)
         real = extract(steps, r, layout, index)
         real = [(rp, rb, rr and rp >= 0, sp, sb) for rp, rb, rr, sp, sb in real]
         if real != mine:

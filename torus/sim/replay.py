@@ -4,8 +4,9 @@ recurrence vectorized over ranks for step-aligned plans (``lockstep``).
 What runs is what the executor runs: each rank's plan compiled by ``torus.runtime.compile.compile_plan`` (the
 messages cut into its segments, each send given its deadline step), and the interpreter's order
 (torus.runtime.interpreter): before step ``s`` a rank waits for the sends whose deadline is ``s``
-(``_Step.retire``), then posts every receive and send of the step; the step is over when its receives are
-in and reduced; after the last step it waits for the remaining sends (``CompiledPlan.tail``).
+(``_Step.retire``), then posts every receive and send of the step (and waits for those its reductions
+overwrite: ``_Step.inner``); the step is over when its receives are in and reduced; after the last step it
+waits for the remaining sends (``CompiledPlan.tail``).
 
 Per-rank clocks. A segment leaves when both ends have posted it (``max`` of the sender's and the receiver's
 step start) and its sender's port is free: each segment holds the port for ``β·b``, and a segment that
@@ -52,9 +53,9 @@ def match(compiled: dict, layout: Layout, window=None):
     for at the window's end.
 
     Returns ``(steps, sends, recvs, tag_mismatches)``: ``steps[r]`` is ``(per_step, retire)``, ``per_step[s] =
-    (sends, recvs)`` and ``retire[s]`` the sends waited for before local step ``s`` (``retire[-1]``: at the
-    end), all as ``(channel, k)`` keys into ``sends[channel][k] = (step, count)`` and
-    ``recvs[channel][k] = (step, count, reduce)``.
+    (sends, recvs, inner)`` (inner: the sends its reductions wait for) and ``retire[s]`` the sends waited for
+    before local step ``s`` (``retire[-1]``: at the end), all as ``(channel, k)`` keys into
+    ``sends[channel][k] = (step, count)`` and ``recvs[channel][k] = (step, count, reduce)``.
     Raises SimulationError when a channel's sends and receives differ in number or size.
     """
     sends: defaultdict = defaultdict(list)
@@ -67,17 +68,20 @@ def match(compiled: dict, layout: Layout, window=None):
         retire: list = [[] for _ in range(stop - first + 1)]
         for s in range(first, stop):
             step = plan.steps[s]
-            out, inc = [], []
+            out, inc, inner = [], [], []
             for m in step.sends:
                 key = (m.name, r, layout.world(r, m.name, m.peer))
                 out.append((key, len(sends[key])))
                 sends[key].append((s, m.hi - m.lo))
-                retire[min(m.until, stop) - first].append(out[-1])
+                if m.until == s:  # the step reduces into what it sends (compile.py: ``inner``)
+                    inner.append(out[-1])
+                else:
+                    retire[min(m.until, stop) - first].append(out[-1])
             for m in step.recvs:
                 key = (m.name, layout.world(r, m.name, m.peer), r)
                 inc.append((key, len(recvs[key])))
                 recvs[key].append((s, m.hi - m.lo, m.tmp_lo >= 0))
-            mine.append((out, inc))
+            mine.append((out, inc, inner))
         steps[r] = (mine, retire)
     mismatches = 0
     for key in set(sends) | set(recvs):
@@ -150,7 +154,7 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None, win
         s = len(clock[r]) - 1
         if s == len(per_step):
             return False
-        out, inc = per_step[s]
+        out, inc, inner = per_step[s]
         t0, d0 = clock[r][s]
         if out and (out[0] not in posted) and not send_side(r, s):
             return False
@@ -161,6 +165,9 @@ def full(plans: dict, layout: Layout, cost: Cost, itemsize: int, start=None, win
                 if len(clock[src]) <= ss or not send_side(src, ss):
                     return False
         t_end, d_end, rport, red = t0, d0, t0, t0
+        for msg in inner:  # waited for once posted, before any receive is reduced
+            arrive, depth = posted[msg]
+            t_end, d_end, red = max(t_end, arrive), max(d_end, depth), max(red, arrive)
         for key, k in inc:
             arrive, depth = posted[(key, k)]
             _, count, reduce = recvs[key][k]
@@ -221,7 +228,7 @@ def _slowdowns(steps, layout: Layout) -> dict:
     (sim/network.py), the ranks crossing a link at one step sharing it."""
     send_at, recv_at = {}, {}
     for per_step, _ in steps.values():
-        for s, (sent, received) in enumerate(per_step):
+        for s, (sent, received, _) in enumerate(per_step):
             for msg in sent:
                 send_at[msg] = s
             for msg in received:
@@ -289,6 +296,9 @@ def lockstep(a, layout: Layout, cost: Cost, itemsize: int, t0=None, d0=None):
         depth = np.maximum(D[src], D) + 1
         free = np.where(out, (begin + busy)[dst], free)
         until = a.deadline(s)
+        if np.any(out & (until == s)):
+            raise SimulationError(f"torus-sim on rank {a.world[np.argmax(out & (until == s))]}: step {s} reduces "
+                                  "into what it sends; only the per-rank replay (full) orders that")
         for u in np.unique(until[out]):
             t, d = due.setdefault(int(u), (np.full(n, -np.inf), np.zeros(n, np.int64)))
             mine = out & (until == u)

@@ -88,7 +88,7 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
         return _shm(collective, layout, count, itemsize, cost, alloc)
     if shm_phases and layout.nodes > 1:
         counts = count if collective == "allreduce" else tuple(chunks(count, layout.N)[0])
-        per_rank = phased.build(algorithm, collective, layout, counts)
+        per_rank = phased.build(algorithm, collective, layout, counts, itemsize)
         if per_rank is not None:
             end, st, mism = phased.replay_phases(per_rank, layout, cost, itemsize)
             return _result(algorithm, collective, layout, count, itemsize, max(t for t, _ in end.values()),
@@ -96,7 +96,7 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     if method == "auto":
         method = "full" if layout.N <= FULL_MAX_RANKS or algorithm in P.NO_ORBIT or layout.node_of else "orbit"
     if method == "full":
-        plans = {r: P.plan(algorithm, collective, r, layout, count) for r in range(layout.N)}
+        plans = {r: P.plan(algorithm, collective, r, layout, count, itemsize) for r in range(layout.N)}
         end, st, mism = replay.full(plans, layout, cost, itemsize)
         time = max(t for t, _ in end.values())
         depth = max(d for _, d in end.values())
@@ -127,7 +127,7 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
     A send still outstanding at the end of a phase is waited for there (a little later than the executor,
     which waits at its deadline step, where that lies in the next phase)."""
     L, C = layout.ranks_per_node, layout.nodes
-    node0 = {lr: P.plan("hierarchical", "allreduce", lr, layout, count) for lr in range(L)}
+    node0 = {lr: P.plan("hierarchical", "allreduce", lr, layout, count, itemsize) for lr in range(L)}
     compiled = replay.compile_all(node0, cost, itemsize)
     crosses = [s for s, st in enumerate(node0[0]) if any(m.comm == "cross" for m in st.sends + st.recvs)]
     a, b = (crosses[0], crosses[-1] + 1) if crosses else (len(node0[0]), len(node0[0]))
@@ -138,11 +138,11 @@ def _hierarchical_allreduce(layout: Layout, count: int, itemsize: int, cost: Cos
     t_c, d_c = np.full(C, pre[0][0]), np.full(C, pre[0][1], np.int64)
     cross = {k: np.zeros(C) for k in st_pre}
     if crosses:
-        labelled = P.plan("hierarchical", "allreduce", 0, layout, C)
+        labelled = P.plan("hierarchical", "allreduce", 0, layout, C, itemsize)
         steps = [st for st in labelled if any(m.comm == "cross" for m in st.sends + st.recvs)]
         arr = P.ring_orbit(C, count, "cross", steps, np.arange(C) * L)
         for n in _samples(C):
-            real = P.plan("hierarchical", "allreduce", n * L, layout, count)[a:b]
+            real = P.plan("hierarchical", "allreduce", n * L, layout, count, itemsize)[a:b]
             got = P.extract(real, n * L, layout, lambda w: w // L, "hierarchical cross")
             want = [(int(rp[0]), int(rb[0]), bool(rr[0]), int(sp[0]), int(sb[0]))
                     for rp, rb, rr, sp, sb in (arr.row(s, [n]) for s in range(arr.nsteps))]
