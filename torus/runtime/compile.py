@@ -161,7 +161,8 @@ def _deadlines(steps: list) -> tuple:
     every: list = []
     retire: list = [[] for _ in range(len(steps) + 1)]
     for si, st in enumerate(steps):
-        sends, inner = [], []
+        sends: list = []
+        inner: list = []
         own = _own_writes(st) if st.sends else []
         for m, until in zip(st.sends, untils[si]):
             if own and _overlaps(own, m.lo, m.hi):
