@@ -102,3 +102,42 @@ def test_build_runs_swing_on_the_topologys_grid():
     line = Topology(5, 8, (1, 8), tuple(range(8)))
     assert build("allreduce", "swing", line, 100) == swing.allreduce(5, 0, 8, 1, 100)
     assert {m.comm for st in build("reduce_scatter", "swing", line, [2] * 8) for m in st.sends} == {"world"}
+
+
+def test_swing_takes_its_latency_form_up_to_the_knob(monkeypatch):
+    """``effective``: a swing all-reduce of at most TORUS_SWING_LATENCY_BYTES runs swing_latency (its plan is
+    allreduce_latency's), larger ones and every reduce-scatter / all-gather the bandwidth-optimal form."""
+    from torus import knobs
+    from torus.schedules.build import effective
+    t = Topology(0, 6, (2, 3), tuple(range(6)))
+    limit = knobs.read("TORUS_SWING_LATENCY_BYTES")
+    assert effective("allreduce", "swing", t, limit) == "swing_latency"
+    assert effective("allreduce", "swing", t, limit + 1) == "swing"
+    assert effective("reduce_scatter", "swing", t, 4) == "swing"
+    assert effective("allgather", "swing_latency", t, 4) == "swing"
+    assert build("allreduce", "swing_latency", t, 10) == swing.allreduce_latency(0, 0, 2, 3, 10)
+    monkeypatch.setenv("TORUS_SWING_LATENCY_BYTES", "-1")
+    assert effective("allreduce", "swing", t, 0) == "swing"
+
+
+@pytest.mark.parametrize("X,Y", [(8, 1), (1, 6), (4, 4), (2, 3), (3, 5)])
+def test_latency_form_steps_and_messages(X, Y):
+    """One message each way of the whole buffer per core step (log2 P of them, the axes in the all-gather's
+    order), the last reduce final; folded ranks: a step in and one out per folded axis."""
+    count = 11
+    g = swing._grid(0, 0, X, Y, "row", "col")
+    L, folds = len(g.steps), (g.ex > 0) + (g.ey > 0)
+    for r in range(X * Y):
+        plan = swing.allreduce_latency(r % X, r // X, X, Y, count)
+        assert len(plan) == L + 2 * folds
+        core = plan[folds:folds + L]
+        mine = swing._grid(r % X, r // X, X, Y, "row", "col")
+        if mine.extra_on:
+            assert all(not st.sends and not st.recvs for st in core)
+            continue
+        for st in core:
+            assert [(m.offset, m.count) for m in st.sends] == [(0, count)] == [(m.offset, m.count) for m in st.recvs]
+            assert st.sends[0].peer == st.recvs[0].peer and st.recvs[0].reduce
+        assert [st.recvs[0].final for st in core] == [False] * (L - 1) + [True]
+        assert [st.sends[0].comm for st in core] == [("world", "row", "col")[0 if X == 1 or Y == 1 else 1 + a]
+                                                     for a, _ in mine.steps[::-1]]

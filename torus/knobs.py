@@ -32,7 +32,7 @@ KNOBS: dict[str, Knob] = {
     "TORUS_ALGO": Knob("auto", "str", "what `algorithm=\"auto\"` runs: `auto` (the table of torus/select.py) or "
                        "`ring`, `torus2d`, `hierarchical`, `native`, `shm`, `swing`, `swing_latency`; read when a "
                        "call shape is first seen"),
-    "TORUS_SWING_LATENCY_BYTES": Knob(16 << 10, "int", "`swing` all-reduces up to this many bytes run the "
+    "TORUS_SWING_LATENCY_BYTES": Knob(8 << 10, "int", "`swing` all-reduces up to this many bytes run the "
                                       "latency-optimal form (`swing_latency`), larger ones the bandwidth-optimal "
                                       "one"),
     "TORUS_SEGMENT_BYTES": Knob(0, "int", "segment size in bytes (0: 1 MiB on one node, 256 KiB across nodes)"),
