@@ -6,6 +6,8 @@ from torus.select import (
     NATIVE_LINK_SECONDS,
     ONE_NODE_TABLE,
     RING_MAX_NODES,
+    SWING_LINK_SECONDS,
+    SWING_MIN_BYTES,
     TABLE,
     TORUS2D_LINK_SECONDS,
     Nodes,
@@ -77,9 +79,13 @@ def test_bad_override(monkeypatch):
 
 
 # ---------------------------------------------------------------- across nodes (select.across_nodes)
-def _expected_across(nbytes, dims, nodes):
-    # The rule read independently: the seconds the buffer takes on one link decide MPI's own call; then
-    # where the nodes' ranks sit in the grid.
+def _expected_across(collective, nbytes, dims, nodes):
+    # The rule read independently: one rank per node, a small all-reduce takes Swing's latency form; the
+    # seconds the buffer takes on one link decide MPI's own call; then where the nodes' ranks sit in the grid.
+    seconds = nbytes * 8 / (nodes.link_gbits * 1e9)
+    if collective == "allreduce" and nodes.ranks_per_node == 1 and nbytes >= SWING_MIN_BYTES and \
+            seconds <= SWING_LINK_SECONDS:
+        return "swing_latency"
     if nbytes * 8 / (nodes.link_gbits * 1e9) <= NATIVE_LINK_SECONDS:
         return "native"
     line = dims[0] == 1 or dims[1] == 1
@@ -98,14 +104,25 @@ ACROSS = [(2, 2, (2, 2), "row"), (2, 2, (2, 2), "col"), (2, 2, (2, 2), None), (2
 
 @pytest.mark.parametrize("nodes,per_node,dims,axis", ACROSS)
 @pytest.mark.parametrize("gbits", [0.5, 1.0, 4.0, 100.0])
-@pytest.mark.parametrize("nbytes", [0, 4, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 64 << 20])
+@pytest.mark.parametrize("nbytes", [0, 4, 16, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 64 << 20])
 def test_across_nodes(monkeypatch, nodes, per_node, dims, axis, gbits, nbytes):
     monkeypatch.delenv("TORUS_ALGO", raising=False)
     across = Nodes(nodes, per_node, axis, gbits)
-    want = _expected_across(nbytes, dims, across)
     for collective in ("allreduce", "reduce_scatter", "allgather"):
+        want = _expected_across(collective, nbytes, dims, across)
         for in_place in (False, True):
             assert choose(collective, nbytes, nodes * per_node, dims, in_place, across) == want
+
+
+def test_across_nodes_swing_latency_where_measured(monkeypatch):
+    """One rank per host at 1 Gbit/s: 16 B - 4 KiB all-reduces take swing_latency (measured ahead of native
+    there); 4 B, 16 KiB, two ranks per host and the other collectives do not."""
+    monkeypatch.delenv("TORUS_ALGO", raising=False)
+    one = Nodes(4, 1, None, 1.0)
+    assert [choose("allreduce", n, 4, (2, 2), False, one) for n in (4, 16, 4096, 16384)] == \
+        ["native", "swing_latency", "swing_latency", "native"]
+    assert choose("allreduce", 1024, 8, (2, 4), False, Nodes(4, 2, "row", 1.0)) == "native"
+    assert choose("allgather", 1024, 4, (2, 2), False, one) == "native"
 
 
 def test_across_nodes_native_threshold_grows_with_the_link(monkeypatch):

@@ -61,7 +61,7 @@ def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False
     if size == 1:
         return "native"
     if across is not None:
-        return across_nodes(nbytes, dims, across)
+        return across_nodes(collective, nbytes, dims, across)
     placement = "in_place" if in_place else "out_of_place"
     for max_size, max_nbytes, where, algo in (ONE_NODE_TABLE + TABLE if one_node else TABLE):
         if ((max_size is None or size <= max_size) and (max_nbytes is None or nbytes <= max_nbytes)
@@ -94,21 +94,31 @@ NATIVE_LINK_SECONDS = 0.25e-3
 # and are assumed to win at any size above RING_MAX_NODES nodes.
 RING_MAX_NODES = 4
 TORUS2D_LINK_SECONDS = 1e-3
+# One rank per node, all-reduce: Swing's latency-optimal form (log2 p steps of the whole buffer) took 0.81-0.93x
+# native's time from 16 B to 4 KiB at 2 and 4 hosts on 1 Gbit/s links (1.07-1.17x at 4 B, 1.13-1.21x at
+# 16 KiB; level with native at 2 ranks per host), bench/results/swing_auto_*.json, bench/README.md "Swing".
+# 4 KiB at 1 Gbit/s is 33 us on the link; the bound scales with the link as NATIVE_LINK_SECONDS does.
+SWING_MIN_BYTES = 16
+SWING_LINK_SECONDS = 33e-6
 
 
-def across_nodes(nbytes: int, dims, nodes: Nodes) -> str:
-    """The multi-node rule (all three collectives): MPI's own call while the buffer would cross a link in
-    under ``NATIVE_LINK_SECONDS``; then, with several ranks per node, the 2D torus where one of its axes lies
-    within the nodes (its cross-node phase moves ``2(C-1)/C`` of the buffer per node, split over the node's
-    ranks) and the hierarchical all-reduce where none does or the grid is a line (only the leaders cross,
-    ``2(C-1)/C`` of it, against the ring's ``2(N-1)/N``); with one rank per node, where every message crosses
-    and the ring and the torus send the same bytes, the torus for its fewer steps while the buffer crosses a
-    link in under ``TORUS2D_LINK_SECONDS`` or above ``RING_MAX_NODES`` nodes, else (or when the grid is a
-    line) the ring. Where the table above was measured on one node, this rule's constants come from the
-    emulated cluster (tests/cluster, bench/cluster_sweep.py; how close the pick came: bench/results/cluster_sweep.txt,
+def across_nodes(collective: str, nbytes: int, dims, nodes: Nodes) -> str:
+    """The multi-node rule (all three collectives): with one rank per node, all-reduces from ``SWING_MIN_BYTES`` to
+    ``SWING_LINK_SECONDS`` on the link run Swing's latency-optimal form; otherwise MPI's own call while the buffer
+    would cross a link in under ``NATIVE_LINK_SECONDS``; then, with several ranks per node, the 2D torus where one
+    of its axes lies within the nodes (its cross-node phase moves ``2(C-1)/C`` of the buffer per node, split over
+    the node's ranks) and the hierarchical all-reduce where none does or the grid is a line (only the leaders cross,
+    ``2(C-1)/C`` of it, against the ring's ``2(N-1)/N``); with one rank per node, where every message crosses and
+    the ring and the torus send the same bytes, the torus for its fewer steps while the buffer crosses a link in
+    under ``TORUS2D_LINK_SECONDS`` or above ``RING_MAX_NODES`` nodes, else (or when the grid is a line) the ring.
+    Where the table above was measured on one node, this rule's constants come from the emulated cluster
+    (tests/cluster, bench/cluster_sweep.py; how close the pick came: bench/results/cluster_sweep.txt,
     docs/performance.md). The ring here visits the ranks node by node (Topology.ring_order), so what it sends
     through a node's link does not depend on how the ranks were placed."""
     link_bytes_per_s = nodes.link_gbits * 1e9 / 8
+    if (collective == "allreduce" and nodes.ranks_per_node == 1
+            and SWING_MIN_BYTES <= nbytes <= SWING_LINK_SECONDS * link_bytes_per_s):
+        return "swing_latency"
     if nbytes <= NATIVE_LINK_SECONDS * link_bytes_per_s:
         return "native"
     if nodes.ranks_per_node > 1:

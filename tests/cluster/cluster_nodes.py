@@ -53,7 +53,7 @@ def test_default_grid_follows_the_hosts_and_auto_measures_the_link():
     assert WORLD.allgather(gbits) == [gbits] * WORLD.Get_size()
     across = select.Nodes(hosts, ppn, tc.topology.node_axis, gbits)
     for nbytes in (4, 1 << 16, 1 << 20, 1 << 26):
-        assert tc.auto_choice("allreduce", nbytes) == select.across_nodes(nbytes, tc.dims, across)
+        assert tc.auto_choice("allreduce", nbytes) == select.across_nodes("allreduce", nbytes, tc.dims, across)
     tc.Free()
     told = torus.TorusComm(link_gbits=3.5)
     assert told.link_gbits == 3.5
