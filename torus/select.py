@@ -94,10 +94,10 @@ NATIVE_LINK_SECONDS = 0.25e-3
 # and are assumed to win at any size above RING_MAX_NODES nodes.
 RING_MAX_NODES = 4
 TORUS2D_LINK_SECONDS = 1e-3
-# One rank per node, all-reduce: Swing's latency-optimal form (log2 p steps of the whole buffer) took 0.81-0.93x
-# native's time from 16 B to 4 KiB at 2 and 4 hosts on 1 Gbit/s links (1.07-1.17x at 4 B, 1.13-1.21x at
-# 16 KiB; level with native at 2 ranks per host), bench/results/swing_auto_*.json, bench/README.md "Swing".
-# 4 KiB at 1 Gbit/s is 33 us on the link; the bound scales with the link as NATIVE_LINK_SECONDS does.
+# One rank per node, all-reduce: Swing's latency-optimal form (log2 p steps of the whole buffer) beat native from
+# SWING_MIN_BYTES up to SWING_LINK_SECONDS on the link at 2 and 4 emulated hosts, and lost below and above it
+# (bench/results/swing_auto_*.json; bench/README.md, "Swing"); the bound scales with the link as
+# NATIVE_LINK_SECONDS does.
 SWING_MIN_BYTES = 16
 SWING_LINK_SECONDS = 33e-6
 
