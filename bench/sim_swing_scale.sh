@@ -4,6 +4,11 @@
 # once with each message owning its link (--no-shared-links) and once with a node's link shared (the default).
 #   bench/sim_swing_scale.sh > bench/results/sim_swing_scale.txt
 set -euo pipefail
+# swing's latency-optimal form up to 8 KiB, the limit these results were made with: the default limit is 96 us
+# on the link (torus/schedules/build.py), measured where a message costs tens of us; at 5 us per message and
+# 12.5 GB/s it would give 1.2 MB, where this model prices that form up to 2.4x slower at 64 KiB on a torus
+# network (bench/results/sim_swing_latency.txt).
+export TORUS_SWING_LATENCY_BYTES=8192
 cost="--alpha 1e-6 --beta 2e-11 --gamma 3.3e-12 --ranks-per-node 4 --inter-alpha 5e-6 --inter-beta 8e-11"
 for links in "--no-shared-links" "--shared-links"; do
     for grid in 1088:16x68 2176:32x68 4096:64x64; do

@@ -136,9 +136,11 @@ def test_paper_scale_2176():
                                                         COST1.beta, COST1.gamma, 2176, 32, 68), rel=1e-9)
 
 
-def test_swing_at_1088_ranks_matches_its_closed_form():
+def test_swing_at_1088_ranks_matches_its_closed_form(monkeypatch):
     """1,088 ranks as 16x68: Swing replayed in full (no orbit), 2 log2(16*64) + 2 steps (the 68 columns fold onto
-    64) and the closed-form time with the fold at the second step (the unfolded row axis first)."""
+    64) and the closed-form time with the fold at the second step (the unfolded row axis first). The bandwidth
+    form: COST1's fast link would give this size the latency-optimal one."""
+    monkeypatch.setenv("TORUS_SWING_LATENCY_BYTES", "-1")
     layout = Layout(16, 68, 4)
     count = 1088 * 64
     r = simulate("swing", "allreduce", layout, count, "float32", COST1)

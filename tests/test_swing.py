@@ -104,20 +104,44 @@ def test_build_runs_swing_on_the_topologys_grid():
     assert {m.comm for st in build("reduce_scatter", "swing", line, [2] * 8) for m in st.sends} == {"world"}
 
 
-def test_swing_takes_its_latency_form_up_to_the_knob(monkeypatch):
-    """``effective``: a swing all-reduce of at most TORUS_SWING_LATENCY_BYTES runs swing_latency (its plan is
-    allreduce_latency's), larger ones and every reduce-scatter / all-gather the bandwidth-optimal form."""
-    from torus import knobs
-    from torus.schedules.build import effective
+def test_swing_takes_its_latency_form_up_to_the_limit(monkeypatch):
+    """``effective``: a swing all-reduce of at most ``latency_bytes`` runs swing_latency (its plan is
+    allreduce_latency's), larger ones and every reduce-scatter / all-gather the bandwidth-optimal form; the
+    limit is 96 us on the link (12,000 B at 1 Gbit/s, 48,000 at 4), 8 KiB without a link, the knob when set."""
+    from torus.schedules.build import effective, swing_latency_bytes
+    monkeypatch.delenv("TORUS_SWING_LATENCY_BYTES", raising=False)
+    assert (swing_latency_bytes(), swing_latency_bytes(1.0), swing_latency_bytes(4.0)) == (8192, 12000, 48000)
     t = Topology(0, 6, (2, 3), tuple(range(6)))
-    limit = knobs.read("TORUS_SWING_LATENCY_BYTES")
-    assert effective("allreduce", "swing", t, limit) == "swing_latency"
-    assert effective("allreduce", "swing", t, limit + 1) == "swing"
-    assert effective("reduce_scatter", "swing", t, 4) == "swing"
+    for limit in (8192, 48000):
+        assert effective("allreduce", "swing", t, limit, limit) == "swing_latency"
+        assert effective("allreduce", "swing", t, limit + 1, limit) == "swing"
+    assert effective("allreduce", "swing", t, 8192) == "swing_latency"
+    assert effective("allreduce", "swing", t, 8193) == "swing"
+    assert effective("reduce_scatter", "swing", t, 4, 1 << 20) == "swing"
     assert effective("allgather", "swing_latency", t, 4) == "swing"
     assert build("allreduce", "swing_latency", t, 10) == swing.allreduce_latency(0, 0, 2, 3, 10)
+    monkeypatch.setenv("TORUS_SWING_LATENCY_BYTES", "100")
+    assert (swing_latency_bytes(), swing_latency_bytes(4.0)) == (100, 100)
     monkeypatch.setenv("TORUS_SWING_LATENCY_BYTES", "-1")
-    assert effective("allreduce", "swing", t, 0) == "swing"
+    assert effective("allreduce", "swing", t, 0, swing_latency_bytes(1.0)) == "swing"
+
+
+def test_simulator_takes_the_latency_form_by_its_link(monkeypatch):
+    """torus-sim decides as TorusComm does from the link between nodes (1 / inter_beta): at 1 Gbit/s a swing
+    all-reduce of 12,000 B is priced as swing_latency, one of 12,004 B as the bandwidth form."""
+    from torus.sim.model import Cost, Layout
+    from torus.sim.simulate import simulate
+    monkeypatch.delenv("TORUS_SWING_LATENCY_BYTES", raising=False)
+    cost = Cost(alpha=1e-6, beta=1e-10, inter_alpha=20e-6, inter_beta=8e-9)  # 1 Gbit/s between nodes
+    layout = Layout(2, 2, 1)
+    for count, form in ((3000, "swing_latency"), (3001, "swing")):
+        got = simulate("swing", "allreduce", layout, count, cost=cost).time
+        monkeypatch.setenv("TORUS_SWING_LATENCY_BYTES", "-1")
+        want = simulate(form, "allreduce", layout, count, cost=cost).time
+        other = simulate({"swing": "swing_latency", "swing_latency": "swing"}[form], "allreduce", layout, count,
+                         cost=cost).time
+        monkeypatch.delenv("TORUS_SWING_LATENCY_BYTES")
+        assert got == want != other
 
 
 @pytest.mark.parametrize("X,Y", [(8, 1), (1, 6), (4, 4), (2, 3), (3, 5)])
@@ -141,3 +165,22 @@ def test_latency_form_steps_and_messages(X, Y):
         assert [st.recvs[0].final for st in core] == [False] * (L - 1) + [True]
         assert [st.sends[0].comm for st in core] == [("world", "row", "col")[0 if X == 1 or Y == 1 else 1 + a]
                                                      for a, _ in mine.steps[::-1]]
+
+
+def test_torus_comm_takes_the_latency_form_by_its_link():
+    """TorusComm's call shapes (torus/shapes.py) put the limit at 96 us on the link they are given (told or
+    measured across nodes), 8 KiB without one."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from torus.shapes import Shapes
+    t = Topology(0, 4, (2, 2), (0, 1, 2, 3))  # four nodes of one rank
+
+    def call(count):
+        return SimpleNamespace(dtype=np.dtype(np.float32), count=count, counts=None, in_place=False)
+
+    for gbits, limit in ((None, 8192), (1.0, 12000), (4.0, 48000)):
+        shapes = Shapes(t, 0, lambda *a: "ring", False, gbits)
+        assert shapes.get("allreduce", "swing", "sum", call(limit // 4))[0] == "swing_latency"
+        assert shapes.get("allreduce", "swing", "sum", call(limit // 4 + 1))[0] == "swing"

@@ -123,7 +123,8 @@ class TorusComm:
         # Algorithms that run as one call on the whole buffers (no compiled plan): (name, spec, placement,
         # out, op, scale) -> None, the result in ``out`` (reduce-scatter) or ``placement.work``.
         self._direct = {"native": self._run_native, "shm": self._run_shm}
-        self._shapes = Shapes(t, self.segment_bytes, self.auto_choice, bool(self._node_shm))
+        self._shapes = Shapes(t, self.segment_bytes, self.auto_choice, bool(self._node_shm),
+                              self._link_gbits if t.nodes > 1 else None)
         self._agreeing = False
         self._announcements: list = []  # error reports posted and not yet completed (agreement.py)
         self._released = False  # Free was called

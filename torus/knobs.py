@@ -32,9 +32,10 @@ KNOBS: dict[str, Knob] = {
     "TORUS_ALGO": Knob("auto", "str", "what `algorithm=\"auto\"` runs: `auto` (the table of torus/select.py) or "
                        "`ring`, `torus2d`, `hierarchical`, `native`, `shm`, `swing`, `swing_latency`; read when a "
                        "call shape is first seen"),
-    "TORUS_SWING_LATENCY_BYTES": Knob(8 << 10, "int", "`swing` all-reduces up to this many bytes run the "
+    "TORUS_SWING_LATENCY_BYTES": Knob(0, "int", "`swing` all-reduces up to this many bytes run the "
                                       "latency-optimal form (`swing_latency`), larger ones the bandwidth-optimal "
-                                      "one"),
+                                      "one (0: 96 us on the link between nodes, 12 kB at 1 Gbit/s; 8 KiB on one "
+                                      "node; negative: never)"),
     "TORUS_SEGMENT_BYTES": Knob(0, "int", "segment size in bytes (0: 1 MiB on one node, 256 KiB across nodes)"),
     "TORUS_TIMEOUT": Knob(600.0, "float", "stall timeout in seconds of every collective (0 waits forever)"),
     "TORUS_CHECK": Knob(True, "flag", "compare every call's signature across ranks first (MismatchError)"),

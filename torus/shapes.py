@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from torus import agreement, buffers
 from torus.ops import avg_factors
-from torus.schedules.build import effective
+from torus.schedules.build import effective, swing_latency_bytes
 from torus.schedules.phases import node_level
 from torus.select import ALGORITHMS
 from torus.topology import Topology
@@ -24,11 +24,13 @@ MAX_SHAPES = 4096  # bounded: a sweep over many sizes must not grow without limi
 class Shapes:
     """The decisions of every shape seen on one TorusComm. ``auto(collective, nbytes, in_place)``: the
     algorithm ``auto`` picks (before the fallback); ``shm_phases``: node-level phases may run over shared
-    memory (TorusComm's ``shm_phases``, where every node's ranks share memory)."""
+    memory (TorusComm's ``shm_phases``, where every node's ranks share memory); ``link_gbits``: the link between
+    nodes (None: one node, or not known), which sets where ``swing`` takes its latency-optimal form."""
 
     def __init__(self, topology: Topology, segment_bytes: int, auto: Callable[[str, int, bool], str],
-                 shm_phases: bool = False):
+                 shm_phases: bool = False, link_gbits: float | None = None):
         self.topology, self.segment_bytes, self.auto, self.shm_phases = topology, segment_bytes, auto, shm_phases
+        self.link_gbits = link_gbits
         self._known: dict = {}
 
     def get(self, what: str, algorithm: str, op: str, p: buffers.Placement) -> tuple:
@@ -55,7 +57,7 @@ class Shapes:
             buffers.fail(what, t.rank, ValueError, f"algorithm 'shm' needs every rank on one node; these "
                                                    f"{t.size} ranks are on {t.nodes} nodes (use ring, "
                                                    "hierarchical or torus2d)")
-        algo = effective(what, algo, t, p.count * p.dtype.itemsize)
+        algo = effective(what, algo, t, p.count * p.dtype.itemsize, swing_latency_bytes(self.link_gbits))
         phased = self.shm_phases and node_level(what, algo, t) is not None
         mine = agreement.signature(what, algo, op, p.dtype, p.count, p.counts, self.segment_bytes, t.dims[0],
                                    phased)

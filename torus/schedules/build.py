@@ -15,16 +15,37 @@ from torus.partition import displacements
 from torus.schedules import hierarchical, ring, swing, torus2d
 from torus.topology import Topology
 
+SWING_LATENCY_BYTES = 8 << 10  # without a link figure (one node, emulated nodes): the limit measured first
+# Across nodes the crossover of the two forms moved with the link's speed on the emulated hosts, so it is given
+# as time on the link, set between the last size the latency form won and the first it lost at each speed
+# measured (bench/results/swing_latency_*.json; bench/README.md, "Swing").
+SWING_LATENCY_LINK_SECONDS = 96e-6
 
-def effective(collective: str, algorithm: str, topology: Topology, nbytes: int) -> str:
+
+def swing_latency_bytes(link_gbits: float | None = None) -> int:
+    """The largest ``swing`` all-reduce, in bytes, that runs the latency-optimal form: ``TORUS_SWING_LATENCY_BYTES``
+    when set (negative: none), else ``SWING_LATENCY_LINK_SECONDS`` on a link of ``link_gbits`` Gbit/s (the link
+    between nodes: told or measured, ``TorusComm.link_gbits``), else ``SWING_LATENCY_BYTES``."""
+    told = knobs.read("TORUS_SWING_LATENCY_BYTES")
+    if told:
+        return told
+    if link_gbits is None:
+        return SWING_LATENCY_BYTES
+    return int(SWING_LATENCY_LINK_SECONDS * link_gbits * 1e9 / 8)
+
+
+def effective(collective: str, algorithm: str, topology: Topology, nbytes: int,
+              latency_bytes: int | None = None) -> str:
     """The algorithm that runs a call of ``nbytes``: ``algorithm``, or the ring where hierarchical cannot
-    serve ``collective``; ``swing`` all-reduces of at most ``TORUS_SWING_LATENCY_BYTES`` run the
-    latency-optimal form (``swing_latency``), and ``swing_latency`` serves only the all-reduce (``swing``
-    otherwise: its reduce-scatter and all-gather are already the ``log2 p`` steps of the paper)."""
+    serve ``collective``; ``swing`` all-reduces of at most ``latency_bytes`` (None: ``swing_latency_bytes()``)
+    run the latency-optimal form (``swing_latency``), and ``swing_latency`` serves only the all-reduce
+    (``swing`` otherwise: its reduce-scatter and all-gather are already the ``log2 p`` steps of the paper)."""
     if algorithm == "hierarchical" and collective != "allreduce" and not topology.node_grid:
         return "ring"
-    if algorithm == "swing" and collective == "allreduce" and nbytes <= knobs.read("TORUS_SWING_LATENCY_BYTES"):
-        return "swing_latency"
+    if algorithm == "swing" and collective == "allreduce":
+        limit = swing_latency_bytes() if latency_bytes is None else latency_bytes
+        if nbytes <= limit:
+            return "swing_latency"
     if algorithm == "swing_latency" and collective != "allreduce":
         return "swing"
     return algorithm

@@ -57,6 +57,12 @@ class Cost:
     window_beta: float | None = None
     shm_slot_bytes: int | None = None
 
+    def link_gbits(self) -> float | None:
+        """Gbit/s of the link between nodes (``1 / inter_beta``), what ``TorusComm.link_gbits`` measures; None
+        for a link priced at no time per byte."""
+        beta = self.beta if self.inter_beta is None else self.inter_beta
+        return 8 / (beta * 1e9) if beta > 0 else None
+
     def link(self, crossing):
         """(α, β) for a message, or arrays of them for a boolean array ``crossing``."""
         ia = self.alpha if self.inter_alpha is None else self.inter_alpha

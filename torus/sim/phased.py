@@ -30,17 +30,20 @@ def _key(phase) -> tuple:
     return ("plan",) if isinstance(phase, phase_lists.Plan) else ("shm", phase.comm, phase.collective)
 
 
-def build(algorithm: str, collective: str, layout: Layout, counts, itemsize: int) -> dict | None:
+def build(algorithm: str, collective: str, layout: Layout, counts, itemsize: int,
+          latency_bytes: int | None = None) -> dict | None:
     """{world rank: its phases} as TorusComm builds them with ``shm_phases`` on, or None where no rank's
-    call is phased (one node, or no node-level phase of several ranks: the plain plan runs)."""
+    call is phased (one node, or no node-level phase of several ranks: the plain plan runs); ``latency_bytes``
+    as for ``effective``."""
     t0 = layout.topology(0)  # node_level and effective are the same on every rank (whole-layout functions)
     nbytes = (counts if isinstance(counts, int) else sum(counts)) * itemsize
-    if phase_lists.node_level(collective, effective(collective, algorithm, t0, nbytes), t0) is None:
+    if phase_lists.node_level(collective, effective(collective, algorithm, t0, nbytes, latency_bytes), t0) is None:
         return None
     out = {}
     for r in range(layout.N):
         t = layout.topology(r)
-        out[r] = phase_lists.build(collective, effective(collective, algorithm, t, nbytes), t, counts, True)
+        algo = effective(collective, algorithm, t, nbytes, latency_bytes)
+        out[r] = phase_lists.build(collective, algo, t, counts, True)
     return out
 
 

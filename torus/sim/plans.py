@@ -31,15 +31,17 @@ NO_ORBIT = ("swing", "swing_latency")  # no rotation derives every rank from a f
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 
 
-def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int, itemsize: int):
+def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int, itemsize: int,
+         latency_bytes: int | None = None):
     """The list of Steps ``rank`` runs; ``count`` in elements (reduce-scatter and all-gather: ``chunks(count,
     N)`` blocks). Built by the same ``torus.schedules.build`` as TorusComm's, on the layout's topology, with
     its decisions (``effective``: hierarchical reduce-scatter and all-gather run the ring on uneven nodes; a
-    swing all-reduce of ``count * itemsize`` bytes takes its latency-optimal form up to
-    ``TORUS_SWING_LATENCY_BYTES``)."""
+    swing all-reduce of ``count * itemsize`` bytes takes its latency-optimal form up to ``latency_bytes``,
+    None: ``build.swing_latency_bytes()``; simulate passes the one its link gives, as TorusComm does)."""
     counts = count if collective == "allreduce" else tuple(chunks(count, layout.N)[0])
     topology = layout.topology(rank)
-    return build(collective, effective(collective, algorithm, topology, count * itemsize), topology, counts)
+    return build(collective, effective(collective, algorithm, topology, count * itemsize, latency_bytes), topology,
+                 counts)
 
 
 @dataclass

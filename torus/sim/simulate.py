@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from torus.partition import chunks
+from torus.schedules.build import swing_latency_bytes
 from torus.schedules.plan import Step
 from torus.sim import phased, replay, shm
 from torus.sim import plans as P
@@ -84,11 +85,13 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     if alloc and collective != "allreduce":
         raise ValueError(f"torus-sim: alloc buffers serve in-place all-reduces, not {collective}")
     itemsize = ITEMSIZE[dtype]
+    # where swing takes its latency-optimal form: as TorusComm decides it from the link between nodes
+    latency_bytes = swing_latency_bytes(cost.link_gbits() if layout.nodes > 1 else None)
     if algorithm == "shm":
         return _shm(collective, layout, count, itemsize, cost, alloc)
     if shm_phases and layout.nodes > 1:
         counts = count if collective == "allreduce" else tuple(chunks(count, layout.N)[0])
-        per_rank = phased.build(algorithm, collective, layout, counts, itemsize)
+        per_rank = phased.build(algorithm, collective, layout, counts, itemsize, latency_bytes)
         if per_rank is not None:
             end, st, mism = phased.replay_phases(per_rank, layout, cost, itemsize)
             return _result(algorithm, collective, layout, count, itemsize, max(t for t, _ in end.values()),
@@ -96,7 +99,7 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     if method == "auto":
         method = "full" if layout.N <= FULL_MAX_RANKS or algorithm in P.NO_ORBIT or layout.node_of else "orbit"
     if method == "full":
-        plans = {r: P.plan(algorithm, collective, r, layout, count, itemsize) for r in range(layout.N)}
+        plans = {r: P.plan(algorithm, collective, r, layout, count, itemsize, latency_bytes) for r in range(layout.N)}
         end, st, mism = replay.full(plans, layout, cost, itemsize)
         time = max(t for t, _ in end.values())
         depth = max(d for _, d in end.values())
