@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="TensorFlow intra/inter-op threads (0: TF's default)")
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--compression", default="none", choices=("none", "fp16", "bf16"))
-    ap.add_argument("--bucket-bytes", type=int, default=None)
+    ap.add_argument("--bucket-bytes", default=None,
+                    help="bucket cap, or several (comma-separated, K/M suffixes) alternated as modes on@CAP")
     ap.add_argument("--modes", default="on,off,compute,allreduce")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -57,11 +58,13 @@ def main() -> None:
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import keras
 
+    from torus.bench.sweep import format_size, parse_size
     from torus.integrations.keras import TorusStrategy, allreduce_tensors
     from torus.integrations.keras.fit import fit_hook
 
+    caps = [parse_size(c) for c in args.bucket_bytes.split(",")] if args.bucket_bytes else [None]
     strategy = TorusStrategy(algorithm=args.algorithm, compression=args.compression, overlap=True,
-                             bucket_bytes=args.bucket_bytes)
+                             bucket_bytes=caps[0])
     host, comm = strategy.host, strategy.torus_comm.comm
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -97,9 +100,12 @@ def main() -> None:
 
     functions: dict = {}
 
+    default_cap = host.bucket_bytes
+
     def step(mode: str) -> dict:
-        if mode in ("on", "off"):
-            host.overlap = mode == "on"
+        if mode.split("@")[0] in ("on", "off"):
+            host.overlap = mode != "off"
+            host.bucket_bytes = parse_size(mode.split("@")[1]) if "@" in mode else default_cap
             if mode not in functions:  # traced once per mode (the bucketing is decided at trace time)
                 model.make_train_function(force=True)
                 functions[mode] = model.train_function
@@ -127,6 +133,8 @@ def main() -> None:
         return {"step_s": float(np.median(times)), "cpu_s": float(np.median(cpu))}
 
     modes = args.modes.split(",")
+    if len(caps) > 1:  # "on" stands for one mode per cap, in the order given
+        modes = [m2 for m in modes for m2 in ([f"on@{format_size(c)}" for c in caps] if m == "on" else [m])]
     rounds: dict = {m: [] for m in modes}
     for _ in range(args.rounds):
         for m in modes:
@@ -134,10 +142,16 @@ def main() -> None:
     result = {m: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for m, rs in rounds.items()}
     result.update({"model": args.model, "ranks": strategy.size, "nodes": strategy.torus_comm.topology.nodes,
                    "per_rank_batch": args.batch, "algorithm": args.algorithm, "compression": args.compression,
-                   "bucket_bytes": host.bucket_bytes, "threads": args.threads, "rounds": args.rounds,
+                   "bucket_bytes": caps if len(caps) > 1 else default_cap, "threads": args.threads,
+                   "rounds": args.rounds,
                    "link_gbits": strategy.torus_comm.link_gbits, "load_avg_1min": os.getloadavg()[0],
                    "gradient_mib": sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 4 / 2**20,
                    "per_round": rounds})
+    for m in [m for m in result if m.startswith("on@") and "off" in result]:
+        result[m]["over_off"] = result[m]["step_s"] / result["off"]["step_s"]
+        if "compute" in result and "allreduce" in result:
+            result[m]["over_max_alone"] = result[m]["step_s"] / max(result["compute"]["step_s"],
+                                                                    result["allreduce"]["step_s"])
     if "on" in result and "off" in result:
         result["on_over_off"] = result["on"]["step_s"] / result["off"]["step_s"]
     if all(m in result for m in ("on", "compute", "allreduce")):

@@ -4,17 +4,18 @@
 # 1 Gbit/s. Each configuration alternates overlap on / off / compute alone / all-reduce alone per round.
 # Appends one JSON line per configuration to $1 (default bench/results/overlap.jsonl). As root (namespaces).
 #   bench/overlap_sweep.sh bench/results/overlap.jsonl
+# RATES="1gbit" and PPNS="2" narrow the sweep (defaults: "1gbit 4gbit none", "1 2").
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/overlap.jsonl}
 py=.venv/bin/python
 export PATH=$PWD/.venv/bin:$PATH
 name=ovlsweep
-for rate in 1gbit 4gbit none; do
+for rate in ${RATES:-1gbit 4gbit none}; do
     $py -m tests.cluster --name $name down >/dev/null 2>&1
     if [ "$rate" = none ]; then $py -m tests.cluster --name $name up 2 --subnet 22 >/dev/null
     else $py -m tests.cluster --name $name up 2 --rate "$rate" --subnet 22 >/dev/null; fi
-    for ppn in 1 2; do
+    for ppn in ${PPNS:-1 2}; do
         runs=("--model resnet50" "--model mlp")
         [ "$rate" = 1gbit ] && runs+=("--model resnet50 --compression fp16")
         for run in "${runs[@]}"; do

@@ -1,0 +1,26 @@
+#!/bin/bash
+# The bucket cap (bench/README.md, "Overlap: the bucket cap"): bench/overlap.py on 2 emulated hosts, every cap of
+# $CAPS alternated with overlap off, compute alone and the all-reduce alone in each round (one process: the train
+# function traced once per cap). Appends one JSON line per model to $1 (default bench/results/bucket_sweep.jsonl).
+# As root (namespaces).
+#   bench/bucket_sweep.sh bench/results/bucket_sweep.jsonl [rate] [ranks per host]
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-bench/results/bucket_sweep.jsonl}
+rate=${2:-1gbit}
+ppn=${3:-1}
+py=.venv/bin/python
+export PATH=$PWD/.venv/bin:$PATH
+name=bktsweep
+$py -m tests.cluster --name $name down >/dev/null 2>&1
+$py -m tests.cluster --name $name up 2 --rate "$rate" --subnet 23 >/dev/null || exit 1
+declare -A caps=([resnet50]=${CAPS_RESNET50:-4M,8M,16M,25M,64M} [mlp]=${CAPS_MLP:-1M,2M,4M,25M})
+for model in ${MODELS:-resnet50 mlp}; do
+    line=$(timeout 1800 $py -m tests.cluster --name $name run --ppn "$ppn" -- -n $((2 * ppn)) \
+           $py bench/overlap.py --model "$model" --bucket-bytes "${caps[$model]}" --rounds "${ROUNDS:-3}" \
+           --steps 4 2>&1 | grep '"step_s"' | tail -1)
+    [ -n "$line" ] || { echo "$model: no result" >&2; continue; }
+    echo "$line" | $py -c "import json, sys; r = json.loads(sys.stdin.read()); r['rate'] = '$rate'; \
+r['hosts'] = 2; r['ranks_per_host'] = $ppn; print(json.dumps(r))" | tee -a "$out" | cut -c1-200
+done
+$py -m tests.cluster --name $name down >/dev/null 2>&1
