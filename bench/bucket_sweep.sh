@@ -1,8 +1,8 @@
 #!/bin/bash
-# The bucket cap (bench/README.md, "Overlap: the bucket cap"): bench/overlap.py on 2 emulated hosts, every cap of
-# $CAPS alternated with overlap off, compute alone and the all-reduce alone in each round (one process: the train
-# function traced once per cap). Appends one JSON line per model to $1 (default bench/results/bucket_sweep.jsonl).
-# As root (namespaces).
+# The bucket cap (bench/README.md, "The bucket cap"): bench/overlap.py on 2 emulated hosts, every cap of
+# $CAPS_RESNET50 / $CAPS_MLP alternated with overlap off, compute alone and the all-reduce alone in each round (one
+# process: the train function traced once per cap); MODELS and ROUNDS narrow it. Appends one JSON line per model
+# to $1 (default bench/results/bucket_sweep.jsonl). As root (namespaces).
 #   bench/bucket_sweep.sh bench/results/bucket_sweep.jsonl [rate] [ranks per host]
 set -u
 cd "$(dirname "$0")/.."

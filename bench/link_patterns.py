@@ -42,8 +42,8 @@ def flows(pattern: str, size: int) -> list[tuple[int, int]]:
         return [(r, r ^ 1) for r in range(size - size % 2)]
     if pattern == "ring":
         return [(r, (r + 1) % size) for r in range(size)]
-    if pattern == "ring-both":
-        return [(r, (r + d) % size) for r in range(size) for d in (1, size - 1)]
+    if pattern == "ring-both":  # at 2 ranks both directions are the same flow: the exchange
+        return list(dict.fromkeys((r, (r + d) % size) for r in range(size) for d in (1, size - 1)))
     raise ValueError(f"unknown pattern {pattern!r}")
 
 
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        raise SystemExit("link_patterns: needs at least 2 ranks (one per host)")
     nbytes = parse_size(args.nbytes)
     segment = parse_size(args.segment) or nbytes
     send = np.ones(nbytes, np.uint8)
