@@ -15,7 +15,11 @@ bucket waits blocked (buckets.py), ``comm_s``: the buckets' time on the communic
 process's CPU time (every thread), per step. With ``TORUS_TIMELINE=FILE`` the strategy writes a Chrome trace of
 the run (README, "Overlap").
 Models: ``resnet50`` (``keras.applications.ResNet50(weights=None)``, 32x32x3, 10 classes, 90 MiB of gradients)
-and ``mlp`` (4 x Dense(1024), about 12 MiB). TensorFlow threads: ``--threads`` intra-op and inter-op.
+``cnn`` (VGG-like: five 3x3 convolutions of 64-256 filters, three poolings, two Dense(2048), about 51 MiB) and
+``mlp`` (4 x Dense(1024), about 12 MiB). ``cpu_bound_s``: the step if the all-reduce's CPU time (``allreduce``'s
+``cpu_s``) came out of compute's at compute's rate, ``compute.step_s * (1 + allreduce.cpu_s / compute.cpu_s)``;
+it is a floor only where the ranks already fill the machine's CPUs (emulated hosts on one machine), and
+``over_cpu_bound`` is the step with overlap over it. TensorFlow threads: ``--threads`` intra-op and inter-op.
 Rank 0 prints one JSON line per configuration and appends it to ``--json``.
 """
 from __future__ import annotations
@@ -31,13 +35,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 def build(keras, name: str):
     if name == "resnet50":
         return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10), (32, 32, 3)
+    if name == "cnn":  # VGG's shape: the large dense gradients exist first in backprop, the conv ones last
+        conv = [keras.layers.Conv2D(f, 3, padding="same", activation="relu") for f in (64, 64, 128, 128, 256)]
+        pool = keras.layers.MaxPooling2D
+        layers = [keras.Input((32, 32, 3)), conv[0], conv[1], pool(), conv[2], conv[3], pool(), conv[4], pool(),
+                  keras.layers.Flatten(), keras.layers.Dense(2048, activation="relu"),
+                  keras.layers.Dense(2048, activation="relu")]
+        return keras.Sequential(layers + [keras.layers.Dense(10)]), (32, 32, 3)
     layers = [keras.Input((256,))] + [keras.layers.Dense(1024, activation="relu") for _ in range(4)]
     return keras.Sequential(layers + [keras.layers.Dense(10)]), (256,)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("resnet50", "mlp"), default="resnet50")
+    ap.add_argument("--model", choices=("resnet50", "cnn", "mlp"), default="resnet50")
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch (32)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
@@ -67,13 +78,12 @@ def main() -> None:
                              bucket_bytes=caps[0])
     host, comm = strategy.host, strategy.torus_comm.comm
     keras.utils.set_random_seed(0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=args.model != "resnet50")
     with strategy.scope():
         model, shape = build(keras, args.model)
-        model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=args.model == "mlp"), jit_compile=False)
+        model.compile(keras.optimizers.SGD(0.01, momentum=0.9), loss, jit_compile=False)
     alone, _ = build(keras, args.model)
-    alone.compile(keras.optimizers.SGD(0.01, momentum=0.9),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=args.model == "mlp"), jit_compile=False)
+    alone.compile(keras.optimizers.SGD(0.01, momentum=0.9), loss, jit_compile=False)
     global_batch = args.batch * strategy.size
     rng = np.random.default_rng(0)
     n_steps = args.warmup + args.steps
@@ -147,6 +157,9 @@ def main() -> None:
                    "link_gbits": strategy.torus_comm.link_gbits, "load_avg_1min": os.getloadavg()[0],
                    "gradient_mib": sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 4 / 2**20,
                    "per_round": rounds})
+    if "compute" in result and "allreduce" in result:
+        c, a = result["compute"], result["allreduce"]
+        result["cpu_bound_s"] = max(a["step_s"], c["step_s"] * (1 + a["cpu_s"] / c["cpu_s"]))
     for m in [m for m in modes if m.split("@")[0] == "on"]:  # "on" keeps its top-level keys, on@CAP its own
         ratios = {}
         if "off" in result:
@@ -154,6 +167,7 @@ def main() -> None:
         if "compute" in result and "allreduce" in result:
             ratios["over_max_alone"] = result[m]["step_s"] / max(result["compute"]["step_s"],
                                                                  result["allreduce"]["step_s"])
+            ratios["over_cpu_bound"] = result[m]["step_s"] / result["cpu_bound_s"]
         if m == "on":
             result.update({f"on_{k}": v for k, v in ratios.items()})
         else:
