@@ -14,12 +14,13 @@ batch begin to batch end; the reported figure is the median over rounds. ``expos
 bucket waits blocked (buckets.py), ``comm_s``: the buckets' time on the communication thread, ``cpu_s``: the
 process's CPU time (every thread), per step. With ``TORUS_TIMELINE=FILE`` the strategy writes a Chrome trace of
 the run (README, "Overlap").
-Models: ``resnet50`` (``keras.applications.ResNet50(weights=None)``, 32x32x3, 10 classes, 90 MiB of gradients)
+Models: ``resnet50`` (``keras.applications.ResNet50(weights=None)``, 32x32x3, 10 classes, 90 MiB of gradients),
 ``cnn`` (VGG-like: five 3x3 convolutions of 64-256 filters, three poolings, two Dense(2048), about 51 MiB) and
 ``mlp`` (4 x Dense(1024), about 12 MiB). ``cpu_bound_s``: the step if the all-reduce's CPU time (``allreduce``'s
-``cpu_s``) came out of compute's at compute's rate, ``compute.step_s * (1 + allreduce.cpu_s / compute.cpu_s)``;
-it is a floor only where the ranks already fill the machine's CPUs (emulated hosts on one machine), and
-``over_cpu_bound`` is the step with overlap over it. TensorFlow threads: ``--threads`` intra-op and inter-op.
+``cpu_s``) came out of compute's at compute's rate, ``compute.step_s * (1 + allreduce.cpu_s / compute.cpu_s)``,
+or the all-reduce alone where that is longer; an estimate of the floor (medians, so a step can come in under
+it) only where the ranks already fill the machine's CPUs (emulated hosts on one machine). ``over_cpu_bound``
+is the step with overlap over it. TensorFlow threads: ``--threads`` intra-op and inter-op.
 Rank 0 prints one JSON line per configuration and appends it to ``--json``.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The overlap table (bench/README.md, "Overlap"): bench/overlap.py on emulated hosts, 2 x 1 and 2 x 2 ranks,
 # at 1 Gbit/s, 4 Gbit/s and unshaped links; ResNet-50, the VGG-like CNN, the MLP, and ResNet-50 with fp16
-# compression at 1 Gbit/s. Each configuration alternates overlap on / off / compute alone / all-reduce alone per round.
+# compression at 1 Gbit/s. Each configuration alternates overlap on / off / compute alone / all-reduce alone
+# per round.
 # Appends one JSON line per configuration to $1 (default bench/results/overlap.jsonl). As root (namespaces).
 #   bench/overlap_sweep.sh bench/results/overlap.jsonl
 # RATES="1gbit" and PPNS="2" narrow the sweep (defaults: "1gbit 4gbit none", "1 2"); MODELS (default
