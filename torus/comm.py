@@ -128,6 +128,7 @@ class TorusComm:
         self._agreeing = False
         self._announcements: list = []  # error reports posted and not yet completed (agreement.py)
         self._released = False  # Free was called
+        self._options = o
 
     def auto_choice(self, collective: str, nbytes: int, in_place: bool = False) -> str:
         """What ``algorithm="auto"`` runs for ``collective`` on ``nbytes`` bytes (torus/select.py), before the
@@ -286,6 +287,18 @@ class TorusComm:
     def _usable(self, what: str) -> None:
         if self._released:
             raise TorusError(f"{what} on rank {self.rank}: this TorusComm was freed (TorusComm.Free)")
+
+    def Dup(self) -> TorusComm:
+        """A new TorusComm over a duplicate of this one's communicator: the same ranks, grid, nodes and options
+        (the link's Gbit/s as this one measured it, not measured again; OpenMP threads left as they are), its own
+        messages, buffers and shared-memory windows, so that a collective on it may run beside one on this
+        (from another thread, where ``MPI.Query_thread()`` is ``THREAD_MULTIPLE``). Collective."""
+        self._usable("Dup")
+        o = self._options
+        return TorusComm(self.comm, self.dims, ranks_per_node=o.ranks_per_node or None,
+                         segment_bytes=o.segment_bytes or None, check=o.check, timeout=o.timeout,
+                         gpu_reduce=o.gpu_reduce, threads=None, link_gbits=self._link_gbits,
+                         shm_phases=o.shm_phases)
 
     def Free(self) -> None:
         """Release the duplicated communicators (collective); any later call on this TorusComm is a

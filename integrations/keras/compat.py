@@ -44,6 +44,7 @@ _MODULES = {
     "saving_api": "keras.src.saving.saving_api",
     "one_device_strategy": "tensorflow.python.distribute.one_device_strategy",
     "distribute_lib": "tensorflow.python.distribute.distribute_lib",
+    "tf_optimizer": "keras.src.backend.tensorflow.optimizer",
 }
 
 # (module key or a public object, attributes that must exist on it)
@@ -69,6 +70,8 @@ REQUIRED: tuple[tuple[object, tuple[str, ...]], ...] = (
                                                "_experimental_distribute_dataset", "_container_strategy",
                                                "_call_for_each_replica")),
     ("distribute_lib", ("_get_default_strategy",)),
+    ("tf_optimizer", ("TFOptimizer",)),
+    ("tf_optimizer.TFOptimizer", ("_all_reduce_sum_gradients",)),
     (keras.callbacks.ModelCheckpoint, ("_save_model",)),
     (keras.callbacks.BackupAndRestore, ("_save_model",)),
     (keras.layers.Layer, ("_flatten_layers",)),
@@ -191,6 +194,7 @@ data_adapter_utils = _modules["data_adapter_utils"]
 file_utils = _modules["file_utils"]
 io_utils = _modules["io_utils"]
 saving_api = _modules["saving_api"]
+TFOptimizer = _modules["tf_optimizer"].TFOptimizer
 
 
 def model_strategy(model):
@@ -310,6 +314,7 @@ def original(fn):
 
 def install() -> None:
     """Wrap every one of ``PATCH_SITES`` (once per process)."""
+    from torus.integrations.keras.collectives import gradients
     from torus.integrations.keras.fit import fit_hook, inputs, metrics, saving
 
     for method in fit_hook.METHODS:
@@ -319,6 +324,7 @@ def install() -> None:
     patch(TensorFlowTrainer, "_maybe_symbolic_build", inputs.build_without_peeking)
     patch(Trainer, "get_metrics_result", metrics.global_metrics_result)
     patch(CompileLoss, "call", metrics.share_weighted)
+    patch(TFOptimizer, "_all_reduce_sum_gradients", gradients.as_gradients)
     for name, what in saving.PATCHED.items():
         patch(saving_api, name, lambda fn, w=what: saving.coordinated(fn, w), aliases=saving.ALIASES)
     if hasattr(keras.Model, "export"):
@@ -331,6 +337,7 @@ PATCH_SITES = (
     "TensorFlowTrainer._maybe_symbolic_build (inputs.build_without_peeking)",
     "keras.src.trainers.trainer.Trainer.get_metrics_result (metrics.global_metrics_result)",
     "keras.src.trainers.compile_utils.CompileLoss.call (metrics.share_weighted)",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients (gradients.as_gradients)",
     "keras.src.saving.saving_api.save_model / save_weights, and keras.saving / keras.models (saving.coordinated)",
     "keras.Model.export (saving.coordinated)",
 )

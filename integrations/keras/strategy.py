@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 
 import tensorflow as tf
+from mpi4py import MPI
 
 from torus import TorusComm, faults
 from torus.integrations.keras import compat
@@ -50,10 +51,12 @@ class _RankReplicaContext(compat.OneDeviceReplicaContext):
 
 
 class _TorusExtended(compat.OneDeviceExtended):
-    def __init__(self, container, host: HostAllreduce, device: str):
+    def __init__(self, container, host: HostAllreduce, replica_host: HostAllreduce, device: str):
         super().__init__(container, device)
         self._host = host
+        self._replica_host = replica_host  # the replica context's other collectives (TorusStrategy.__init__)
         self._passing = 0
+        self._gradients = 0
         self._initial_values = InitialValues(host.torus_comm)
 
     @contextlib.contextmanager
@@ -64,6 +67,15 @@ class _TorusExtended(compat.OneDeviceExtended):
             yield
         finally:
             self._passing -= 1
+
+    @contextlib.contextmanager
+    def reducing_gradients(self):
+        """While open (at trace time), reductions are of gradients: they go to the bucketed host (gradients.py)."""
+        self._gradients += 1
+        try:
+            yield
+        finally:
+            self._gradients -= 1
 
     @property
     def _num_replicas_in_sync(self):
@@ -79,7 +91,8 @@ class _TorusExtended(compat.OneDeviceExtended):
         if self._passing:
             return values
         op = "avg" if reduce_op == tf.distribute.ReduceOp.MEAN else "sum"
-        return reduce_gradients(self._host, values, op)  # IndexedSlices stay sparse (sparse.py)
+        host = self._host if self._gradients else self._replica_host
+        return reduce_gradients(host, values, op)  # IndexedSlices stay sparse (sparse.py)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         with tf.device(self._device), _RankReplicaContext(self._container_strategy(), self._host.torus_comm.rank):
@@ -168,11 +181,23 @@ class TorusStrategy(tf.distribute.Strategy):
             raise TypeError(f"TorusStrategy: sparse_as_dense must be True or False, not {sparse_as_dense!r}")
         self.host = HostAllreduce(torus_comm, algorithm, compression, overlap=overlap, bucket_bytes=bucket_bytes,
                                   sparse_as_dense=sparse_as_dense)
-        self.metrics_host = HostAllreduce(torus_comm, "auto", "none", overlap=False)
+        # With overlap, the replica context's collectives (SyncBN's moments, strategy.reduce inside run) and the
+        # metric all-reduce get a TorusComm of their own, run inline on TensorFlow's thread beside the buckets
+        # on the communication thread (which needs MPI_THREAD_MULTIPLE): then the bucket starts need not come
+        # after them in program order, and SyncBN's backward all-reduces no longer gate the first bucket.
+        apart = self.host.overlap and torus_comm.size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        replica_comm = torus_comm.Dup() if apart else torus_comm
+        self.host.replica_apart = apart
+        self.replica_host = HostAllreduce(replica_comm, algorithm, compression, overlap=False,
+                                          sparse_as_dense=sparse_as_dense) if apart else self.host
+        self.metrics_host = HostAllreduce(replica_comm, "auto", "none", overlap=False)
         self.metrics_host.name = "metric allreduce"
         self.timeline = self.host.timeline = self.metrics_host.timeline = trace.make(torus_comm)
+        if apart:  # beside the buckets' spans, on a lane of their own
+            self.replica_host.timeline, self.replica_host.name = self.timeline, "replica allreduce"
+            self.replica_host.lane = self.metrics_host.lane = "replica"
         self.save_notices = saving.SaveNotices(torus_comm)
-        super().__init__(_TorusExtended(self, self.host, device))
+        super().__init__(_TorusExtended(self, self.host, self.replica_host, device))
         fit_hook.install(self)
 
     @property

@@ -192,3 +192,51 @@ def test_timeline_is_one_trace_with_every_rank(world, tmp_path_factory):
             comm = [e for e in mine if e["name"].endswith("allreduce") and "bucket" in e["name"]]
             assert all(e["args"]["nbytes"] > 0 and e["args"]["algorithm"] != "auto" for e in comm)
     world.Barrier()
+
+
+def ancestors(op) -> set:
+    """Every op ``op`` waits for in its graph: through data and control inputs."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def test_syncbn_backward_allreduce_does_not_gate_the_first_bucket(world):
+    # Stateful ops run in program order inside a tf.function: were the bucket starts stateful, or on the host
+    # SyncBN all-reduces with, the first start would wait for SyncBN's backward all-reduces, which backprop
+    # reaches only after the last layer's gradients exist, and nothing would overlap.
+    strategy = TorusStrategy(overlap=True, bucket_bytes=64)  # the first bucket: only the last Dense's gradients
+    if not strategy.host.replica_apart:
+        pytest.skip("MPI did not grant MPI_THREAD_MULTIPLE: SyncBN's all-reduces share the buckets' TorusComm")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(9),
+                                  keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(7),
+                                  keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(3)])
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+    outputs = []
+
+    @tf.function
+    def step(xb, yb):
+        def replica(xb, yb):
+            with tf.GradientTape() as tape:
+                logits = model(xb, training=True)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True))
+            outputs.append(logits)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        strategy.run(replica, args=(xb, yb))
+
+    graph = step.get_concrete_function(tf.TensorSpec([4, 6]), tf.TensorSpec([4], tf.int32)).graph
+    ops = graph.get_operations()
+    reduces = {op for op in ops if op.name.split("/")[-1].startswith("torus_allreduce")}
+    forward = reduces & ancestors(outputs[-1].op)
+    assert len(forward) == 6 and len(reduces) > len(forward), (len(forward), len(reduces))  # 3 per layer
+    start = next(op for op in ops if op.name.endswith("torus_bucket0_start"))
+    assert len(start.inputs) == 2  # the last Dense's kernel and bias gradients
+    gating = sorted(op.name for op in (ancestors(start) & reduces) - forward)
+    assert not gating, f"the first bucket's start waits for SyncBN's backward all-reduces {gating}"

@@ -5,11 +5,13 @@
 for a model's gradients is about the order backprop produces them; one dtype per bucket; the first bucket at
 most ``FIRST_BUCKET_BYTES``, the others ``host.bucket_bytes``: PyTorch DDP's rule). Per bucket the graph gets
 
-- a *start* op (``tf.numpy_function``, stateful) whose inputs are only that bucket's tensors, so TensorFlow runs
-  it as soon as they exist: it copies them (cast to the wire dtype where compressed) into the bucket's
-  persistent buffer, queues the bucket's all-reduce on the ``TorusComm``'s communication thread
-  (``torus.runtime.progress``) and returns a token. Each start has a control dependency on the previous one:
-  every rank queues the buckets in the order of ``plan``, fixed by the model, never by readiness;
+- a *start* op (``tf.numpy_function``; stateless where ``host.replica_apart``, so that no earlier stateful op
+  such as a SyncBN all-reduce gates it in program order) whose inputs are only that bucket's tensors, so
+  TensorFlow runs it as soon as they exist: it copies them (cast to the wire dtype where compressed) into the
+  bucket's persistent buffer, queues the bucket's all-reduce on the ``TorusComm``'s communication thread
+  (``torus.runtime.progress``) and returns a token. Each start has a control dependency on the previous op of
+  its host (``after_previous``): every rank queues the buckets in the order of ``plan``, fixed by the model,
+  never by readiness;
 - a *wait* op taking that token and the last start's token: it runs only after every start (a blocked wait
   must not hold one of TensorFlow's inter-op threads while backprop still needs it), blocks until the
   bucket is reduced (the GIL released), re-raises the thread's error, and returns the bucket's result.
@@ -191,16 +193,17 @@ def allreduce_bucketed(host, dense: list, op: str) -> list:
     groups = [(dense[b[0]].dtype.as_numpy_dtype, sum(dense[i].shape.num_elements() for i in b)) for b in buckets]
     layout = host.buckets.layout_id(op, groups)
     result = [tf.zeros_like(t) for t in dense]  # empty tensors (the only ones left out) are their own result
-    tokens, previous = [], []
+    tokens, previous = [], host.after_previous()
     for k, b in enumerate(buckets):
         windowed = host.in_window([dense[i] for i in b])
         with tf.control_dependencies(previous):
             token = tf.numpy_function(
                 lambda *pieces, k=k, w=windowed: host.buckets.start(layout, k, w, pieces),
-                [dense[i] for i in b], tf.int64, stateful=True, name=f"torus_bucket{k}_start")
+                [dense[i] for i in b], tf.int64, stateful=not host.replica_apart, name=f"torus_bucket{k}_start")
         token.set_shape(())
         tokens.append(token)
         previous = [token]
+        host.record(token)
     for k, b in enumerate(buckets):
         fused = tf.numpy_function(lambda token, last: host.buckets.wait(token), [tokens[k], tokens[-1]],
                                   dense[b[0]].dtype, stateful=True, name=f"torus_bucket{k}_wait")

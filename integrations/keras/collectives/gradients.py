@@ -13,6 +13,11 @@ the model holds, e.g. the ``LossScaleOptimizer``); the inner all-reduce Keras st
 through (``_TorusExtended.gradients_reduced``). The wrapper acts only inside ``strategy.run`` (the replica
 context of that strategy), exactly where Keras would all-reduce; a custom loop calling ``apply_gradients``
 outside it is untouched.
+
+``as_gradients`` wraps Keras' own gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``, what an
+optimizer without ``reduce_first`` reaches inside ``strategy.run``) so that the strategy knows the values are
+gradients (``_TorusExtended.reducing_gradients``): they go to the bucketed host, while the replica context's other
+all-reduces (SyncBN's moments, a user's ``ctx.all_reduce``) go to the replica host.
 """
 from __future__ import annotations
 
@@ -48,3 +53,17 @@ def reduce_first(optimizer, strategy) -> bool:
     apply._torus_strategy = strategy  # type: ignore[attr-defined]
     compat.set_on_instance(optimizer, "apply", apply)
     return True
+
+
+def as_gradients(fn):
+    """``TFOptimizer._all_reduce_sum_gradients`` whose all-reduce, under a ``TorusStrategy``, is the gradients'."""
+
+    @functools.wraps(fn)
+    def all_reduce_sum_gradients(self, grads_and_vars):
+        reducing = getattr(tf.distribute.get_strategy().extended, "reducing_gradients", None)
+        if reducing is None:  # not a TorusStrategy
+            return fn(self, grads_and_vars)
+        with reducing():
+            return fn(self, grads_and_vars)
+
+    return all_reduce_sum_gradients

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 import zlib
 
 import numpy as np
@@ -115,6 +116,11 @@ class HostAllreduce:
     (``torus.runtime.progress``: one collective at a time per ``TorusComm``). ``timeline``: a
     ``torus.timeline.Timeline`` (or None) that gets a span per all-reduce. ``sparse_as_dense``: where
     ``sparse.reduce_gradients`` densifies ``tf.IndexedSlices`` instead of all-gathering their rows.
+
+    ``replica_apart`` (set by ``TorusStrategy``): the strategy's replica-context collectives (SyncBN's moments,
+    the metric all-reduce) run on another ``TorusComm``, so the bucket starts need not wait for them in
+    program order (buckets.py). Inside one graph, every op that hands work to this host runs after the one
+    made before it (``after_previous`` / ``record``): the order every rank queues them in is the program's.
     """
 
     def __init__(self, torus_comm, algorithm: str = "auto", compression: str = "none", window: bool = True,
@@ -130,8 +136,19 @@ class HostAllreduce:
         self.progress = progress_for(torus_comm)
         self.buckets = Buckets(self)
         self.timeline = timeline
-        self.name = "allreduce"
+        self.name, self.lane = "allreduce", "comm"  # its timeline spans
         self.sparse_as_dense = sparse_as_dense
+        self.replica_apart = False
+        self._last_op: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> its latest op here
+
+    def after_previous(self) -> list:
+        """Control inputs for the next op of this host in the graph being built: the op made before it there."""
+        last = self._last_op.get(tf.compat.v1.get_default_graph())
+        return [] if last is None else [last]
+
+    def record(self, tensor) -> None:
+        """``tensor``'s op is this host's latest in its graph (see ``after_previous``)."""
+        self._last_op[tensor.graph] = tensor.op
 
     def comm_seconds(self) -> tuple[float, float]:
         """(communication, exposed) seconds so far: every all-reduce of this host, and the part the caller
@@ -183,7 +200,7 @@ class HostAllreduce:
             nbytes = int(sum(np.asarray(b).nbytes for b in bufs))
             algorithm = self.algorithm if self.algorithm != "auto" else \
                 self.torus_comm.auto_choice("allreduce", nbytes, True)  # auto's pick for the total
-            self.timeline.span(self.name, "comm", t0, t1, nbytes=nbytes, algorithm=algorithm)
+            self.timeline.span(self.name, self.lane, t0, t1, nbytes=nbytes, algorithm=algorithm)
         return out
 
     def _one(self, buf, op):
@@ -226,10 +243,14 @@ def allreduce_tensors(host: HostAllreduce, tensors, op: str = "avg"):
         inputs += [dense[i] for i in g] if w else [tf.concat([tf.reshape(dense[i], [-1]) for i in g], 0)]
         pieces.append(len(g) if w else 0)
     layout = tuple(pieces)
-    reduced = tf.numpy_function(lambda *bufs: host(op, *bufs, groups=layout), inputs, [t.dtype for t in inputs],
-                                stateful=True, name="torus_allreduce")
+    graph = not tf.executing_eagerly()
+    with tf.control_dependencies(host.after_previous() if graph else []):
+        reduced = tf.numpy_function(lambda *bufs: host(op, *bufs, groups=layout), inputs,
+                                    [t.dtype for t in inputs], stateful=True, name="torus_allreduce")
     if not isinstance(reduced, (list, tuple)):  # eagerly, a one-element Tout comes back as a bare tensor
         reduced = [reduced]
+    if graph:
+        host.record(reduced[0])
     result, k = [None] * len(dense), 0
     for g, w in zip(groups, windowed):
         if w:  # one output per tensor, its shape

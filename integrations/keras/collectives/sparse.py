@@ -50,8 +50,12 @@ def allgather_slices(host, slices: list, op: str = "sum") -> list:
     for s in slices:
         inputs += [s.values, tf.cast(s.indices, tf.int64)]
         tout += [s.values.dtype, tf.int64]
-    gathered = tf.numpy_function(lambda *arrays: host.progress.call(_gather, host.torus_comm, op, arrays), inputs,
-                                 tout, stateful=True, name="torus_allgather_slices")
+    graph = not tf.executing_eagerly()
+    with tf.control_dependencies(host.after_previous() if graph else []):
+        gathered = tf.numpy_function(lambda *arrays: host.progress.call(_gather, host.torus_comm, op, arrays),
+                                     inputs, tout, stateful=True, name="torus_allgather_slices")
+    if graph:
+        host.record(gathered[0])
     out = []
     for k, s in enumerate(slices):
         values, indices = gathered[2 * k], gathered[2 * k + 1]

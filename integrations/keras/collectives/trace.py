@@ -1,6 +1,6 @@
 """``TORUS_TIMELINE=FILE`` under ``TorusStrategy``: every ``fit`` records a Chrome trace of each rank's steps.
 
-The strategy makes one ``torus.timeline.Timeline`` (collective, at construction) and hands it to its two
+The strategy makes one ``torus.timeline.Timeline`` (collective, at construction) and hands it to its
 hosts; the fit stage "callbacks" appends a ``StepTimeline`` to every ``fit``. The lanes, per rank:
 
 - ``step``: each train batch (``on_train_batch_begin`` to ``_end``; with ``steps_per_execution`` one span per
@@ -9,7 +9,10 @@ hosts; the fit stage "callbacks" appends a ``StepTimeline`` to every ``fit``. Th
   (buckets.py; overlap on);
 - ``wait``: each bucket's wait in the graph: communication the step did not hide;
 - ``comm``: each all-reduce on the communication thread (a bucket's, args ``bucket``, ``nbytes``,
-  ``algorithm``, ``wire``; the fused one with overlap off, ``allreduce``; the metrics', ``metric allreduce``).
+  ``algorithm``, ``wire``; the fused one with overlap off, ``allreduce``; the metrics', ``metric allreduce``);
+- ``replica``: where the strategy runs its replica-context collectives on a communicator of their own
+  (overlap on, ``MPI_THREAD_MULTIPLE``: strategy.py), those (``replica allreduce``: SyncBN's moments) and the
+  metric all-reduce, on TensorFlow's thread beside the buckets.
 
 At the end of every ``fit`` the trace so far is written (``Timeline.save``, collective: rank 0 writes FILE,
 replacing the last one), so a script that fits several times leaves the whole run, and a job that fails in a
@@ -24,7 +27,7 @@ import keras
 from torus import timeline
 from torus.integrations.keras.fit import fit_hook
 
-LANES = ("step", "start", "wait", "comm")
+LANES = ("step", "start", "wait", "comm", "replica")
 
 
 def make(torus_comm):
