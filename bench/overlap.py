@@ -47,6 +47,11 @@ def build(keras, name: str):
     return keras.Sequential(layers + [keras.layers.Dense(10)]), (256,)
 
 
+def kind(mode: str) -> str:
+    """A mode's kind: "on" for on, on@CAP, on/xG and on@CAP/xG."""
+    return mode.split("@")[0].split("/")[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("resnet50", "cnn", "mlp"), default="resnet50")
@@ -59,6 +64,9 @@ def main() -> None:
     ap.add_argument("--compression", default="none", choices=("none", "fp16", "bf16"))
     ap.add_argument("--bucket-bytes", default=None,
                     help="bucket cap, or several (comma-separated, K/M suffixes) alternated as modes on@CAP")
+    ap.add_argument("--bucket-growth", default=None,
+                    help="each bucket's cap over the one before (inf: PyTorch DDP's rule), or several "
+                         "(comma-separated) alternated as modes on/xG (with several caps too: on@CAP/xG)")
     ap.add_argument("--modes", default="on,off,compute,allreduce")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -75,6 +83,7 @@ def main() -> None:
     from torus.integrations.keras.fit import fit_hook
 
     caps = [parse_size(c) for c in args.bucket_bytes.split(",")] if args.bucket_bytes else [None]
+    growths = [float(g) for g in args.bucket_growth.split(",")] if args.bucket_growth else [None]
     strategy = TorusStrategy(algorithm=args.algorithm, compression=args.compression, overlap=True,
                              bucket_bytes=caps[0])
     host, comm = strategy.host, strategy.torus_comm.comm
@@ -111,12 +120,14 @@ def main() -> None:
 
     functions: dict = {}
 
-    default_cap = host.bucket_bytes
+    default_cap, default_growth = host.bucket_bytes, growths[0] or host.bucket_growth
 
     def step(mode: str) -> dict:
-        if mode.split("@")[0] in ("on", "off"):
+        if kind(mode) in ("on", "off"):
             host.overlap = mode != "off"
-            host.bucket_bytes = parse_size(mode.split("@")[1]) if "@" in mode else default_cap
+            bucket, _, growth = mode.partition("/x")
+            host.bucket_bytes = parse_size(bucket.split("@")[1]) if "@" in bucket else default_cap
+            host.bucket_growth = float(growth) if growth else default_growth
             if mode not in functions:  # traced once per mode (the bucketing is decided at trace time)
                 model.make_train_function(force=True)
                 functions[mode] = model.train_function
@@ -144,8 +155,10 @@ def main() -> None:
         return {"step_s": float(np.median(times)), "cpu_s": float(np.median(cpu))}
 
     modes = args.modes.split(",")
-    if len(caps) > 1:  # "on" stands for one mode per cap, in the order given
-        modes = [m2 for m in modes for m2 in ([f"on@{format_size(c)}" for c in caps] if m == "on" else [m])]
+    if len(caps) > 1 or len(growths) > 1:  # "on" stands for one mode per cap and growth, in the order given
+        variants = [(f"@{format_size(c)}" if len(caps) > 1 else "") + (f"/x{g:g}" if len(growths) > 1 else "")
+                    for c in caps for g in growths]
+        modes = [m2 for m in modes for m2 in ([f"on{v}" for v in variants] if m == "on" else [m])]
     rounds: dict = {m: [] for m in modes}
     for _ in range(args.rounds):
         for m in modes:
@@ -153,7 +166,8 @@ def main() -> None:
     result = {m: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for m, rs in rounds.items()}
     result.update({"model": args.model, "ranks": strategy.size, "nodes": strategy.torus_comm.topology.nodes,
                    "per_rank_batch": args.batch, "algorithm": args.algorithm, "compression": args.compression,
-                   "bucket_bytes": caps if len(caps) > 1 else default_cap, "threads": args.threads,
+                   "bucket_bytes": caps if len(caps) > 1 else default_cap,
+                   "bucket_growth": growths if len(growths) > 1 else default_growth, "threads": args.threads,
                    "rounds": args.rounds,
                    "link_gbits": strategy.torus_comm.link_gbits, "load_avg_1min": os.getloadavg()[0],
                    "gradient_mib": sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 4 / 2**20,
@@ -161,7 +175,7 @@ def main() -> None:
     if "compute" in result and "allreduce" in result:
         c, a = result["compute"], result["allreduce"]
         result["cpu_bound_s"] = max(a["step_s"], c["step_s"] * (1 + a["cpu_s"] / c["cpu_s"]))
-    for m in [m for m in modes if m.split("@")[0] == "on"]:  # "on" keeps its top-level keys, on@CAP its own
+    for m in [m for m in modes if kind(m) == "on"]:  # "on" keeps its top-level keys, on@CAP/xG its own
         ratios = {}
         if "off" in result:
             ratios["over_off"] = result[m]["step_s"] / result["off"]["step_s"]

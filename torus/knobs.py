@@ -65,7 +65,8 @@ KNOBS: dict[str, Knob] = {
     # Keras (torus.integrations.keras)
     "TORUS_OVERLAP": Knob("", "str", "gradient all-reduce behind backprop: 0/1 (off/on, ...); unset: on across "
                           "nodes only"),
-    "TORUS_BUCKET_BYTES": Knob("", "str", "cap in bytes of a gradient bucket (unset: 25 MiB)"),
+    "TORUS_BUCKET_BYTES": Knob("", "str", "cap in bytes of a gradient bucket, which ramp up to it from 1 MiB "
+                               "(unset: 25 MiB)"),
     "TORUS_CACHE": Knob("", "str", "folder of torus-train's digits data set (unset: ~/.cache/torus)"),
     "TORUS_CHECKPOINT_SLEEP": Knob("", "str", "tests only: `SECONDS@EPOCH` pauses a checkpoint write halfway"),
     # labels of benchmark reports (set by `python -m tests.cluster`'s mpiexec line; torus/bench/report.py)

@@ -3,7 +3,8 @@
 ``allreduce_bucketed(host, tensors, op)`` is ``allreduce_tensors`` inside a ``tf.function`` when
 ``host.overlap`` is on. At trace time the tensors are grouped into buckets (``plan``: reverse list order, which
 for a model's gradients is about the order backprop produces them; one dtype per bucket; the first bucket at
-most ``FIRST_BUCKET_BYTES``, the others ``host.bucket_bytes``: PyTorch DDP's rule). Per bucket the graph gets
+most ``FIRST_BUCKET_BYTES`` as in PyTorch DDP, each next one's cap ``host.bucket_growth`` times the one before,
+up to ``host.bucket_bytes``: why, docs/design.md, "Gradient buckets"). Per bucket the graph gets
 
 - a *start* op (``tf.numpy_function``; stateless where ``host.replica_apart``, so that no earlier stateful op
   such as a SyncBN all-reduce gates it in program order) whose inputs are only that bucket's tensors, so
@@ -43,16 +44,21 @@ from torus.integrations.keras.collectives.window import pack
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20  # the default cap (TORUS_BUCKET_BYTES); bench/overlap.py measures it
+BUCKET_GROWTH = 2.0  # each bucket's cap over the one before (inf: DDP's rule); bench/overlap.py --bucket-growth
 MAX_STAGING = 64  # bucket buffers kept per host (a model's buckets; layouts seen before, least recent freed)
 
 
-def plan(sizes_bytes: list[int], dtypes: list, cap: int, first_cap: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
+def plan(sizes_bytes: list[int], dtypes: list, cap: int, first_cap: int = FIRST_BUCKET_BYTES,
+         growth: float = BUCKET_GROWTH) -> list[list[int]]:
     """Buckets of tensor indices: walk the indices last to first, add each to the open bucket of its dtype,
-    close a bucket once it holds at least its cap (``min(first_cap, cap)`` for the first bucket made, ``cap``
-    after).
+    close a bucket once it holds at least its cap: ``min(cap, first_cap * growth**k)`` for the k-th bucket
+    opened (``growth`` >= 1; ``inf`` gives PyTorch DDP's rule, ``first_cap`` then ``cap``).
     Returns the buckets in the order they were opened (each one's indices in walk order). Pure."""
+    if not growth >= 1:
+        raise ValueError(f"buckets.plan: growth={growth!r}: must be at least 1")
     buckets: list[list[int]] = []
     sizes: list[int] = []
+    caps: list[float] = []
     open_: dict = {}
     for i in reversed(range(len(sizes_bytes))):
         b = open_.get(dtypes[i])
@@ -60,9 +66,10 @@ def plan(sizes_bytes: list[int], dtypes: list, cap: int, first_cap: int = FIRST_
             b = open_[dtypes[i]] = len(buckets)
             buckets.append([])
             sizes.append(0)
+            caps.append(min(cap, first_cap * growth ** b if b else first_cap))
         buckets[b].append(i)
         sizes[b] += sizes_bytes[i]
-        if sizes[b] >= (min(first_cap, cap) if b == 0 else cap):
+        if sizes[b] >= caps[b]:
             del open_[dtypes[i]]
     return buckets
 
@@ -188,7 +195,7 @@ def allreduce_bucketed(host, dense: list, op: str) -> list:
     """The graph side: starts and waits for ``dense`` (tensors of fully defined shapes); see the module
     docstring. Returns tensors of the same shapes and dtypes, in the same order."""
     nbytes = [t.shape.num_elements() * t.dtype.size for t in dense]
-    buckets = plan(nbytes, [t.dtype for t in dense], host.bucket_bytes)
+    buckets = plan(nbytes, [t.dtype for t in dense], host.bucket_bytes, growth=host.bucket_growth)
     buckets = [b for b in buckets if sum(nbytes[i] for i in b)]  # nothing to send for empty tensors
     groups = [(dense[b[0]].dtype.as_numpy_dtype, sum(dense[i].shape.num_elements() for i in b)) for b in buckets]
     layout = host.buckets.layout_id(op, groups)

@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 from torus import IN_PLACE, faults, kernels, knobs
 from torus.errors import MismatchError
-from torus.integrations.keras.collectives.buckets import BUCKET_BYTES, Buckets, allreduce_bucketed
+from torus.integrations.keras.collectives.buckets import BUCKET_BYTES, BUCKET_GROWTH, Buckets, allreduce_bucketed
 from torus.integrations.keras.collectives.window import WindowBuffers
 from torus.ops import BFLOAT16, DTYPES
 from torus.runtime.progress import progress_for, threads_ok
@@ -133,6 +133,7 @@ class HostAllreduce:
         self.seconds, self.calls = 0.0, 0
         self.overlap = resolve_overlap(torus_comm, overlap)
         self.bucket_bytes = resolve_bucket_bytes(torus_comm, bucket_bytes)
+        self.bucket_growth = BUCKET_GROWTH  # buckets.plan's ramp, read when a step is traced
         self.progress = progress_for(torus_comm)
         self.buckets = Buckets(self)
         self.timeline = timeline
