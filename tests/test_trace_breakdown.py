@@ -34,6 +34,24 @@ def test_the_parts_add_up_and_match_the_closed_form():
     assert r1["backprop"] == pytest.approx(0.5) and r1["exposed"] == pytest.approx(0.41)
 
 
+def test_the_parts_are_the_median_steps_and_never_negative():
+    # medians taken part by part would give step 1.0, backprop 0.6, exposed 0.45: other -0.05
+    events = []
+    for k, (length, start, wait) in enumerate([(9.0, 0.6, 0.3), (1.0, 0.4, 0.45), (1.1, 0.6, 0.45),
+                                               (0.9, 0.7, 0.1)]):
+        t0 = 10.0 * k  # step 0 (the first) is left out
+        events += [span("train step", 0, t0, length), span("bucket 0 start", 0, t0 + start, 0.0),
+                   span("bucket 0 allreduce", 0, t0 + start, wait), span("bucket 0 wait", 0, t0 + start, wait)]
+    r = breakdown({"traceEvents": events})[0]
+    assert r["steps"] == 3 and r["step"] == pytest.approx(1.0)
+    assert r["backprop"] == pytest.approx(0.4) and r["exposed"] == pytest.approx(0.45)
+    assert r["other"] == pytest.approx(1.0 - 0.4 - 0.45) and r["other"] >= 0
+    four = {"traceEvents": events + [span("train step", 0, 50.0, 0.95), span("bucket 0 start", 0, 50.2, 0.0),
+                                     span("bucket 0 wait", 0, 50.2, 0.5)]}
+    r = breakdown(four)[0]  # 0.9, 0.95, 1.0, 1.1: the lower middle one
+    assert r["steps"] == 4 and r["step"] == pytest.approx(0.95) and r["other"] == pytest.approx(0.95 - 0.2 - 0.5)
+
+
 def test_overlap_off_counts_the_fused_allreduce_as_exposed():
     events = []
     for k in range(3):

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 
 def breakdown(trace: dict, fit: int | None = None) -> dict:
-    """Per rank, the median over its train steps (all but each fit's first, which may trace; only those of fit
-    number ``fit`` where given: the step spans' ``fit`` arg) of where a step went, in seconds, from a merged
-    trace (``torus.timeline`` format, trace.py's lanes):
+    """Per rank, where its median train step went, in seconds (of its train steps, all but each fit's first,
+    which may trace; only those of fit number ``fit`` where given: the step spans' ``fit`` arg), from a merged
+    trace (``torus.timeline`` format, trace.py's lanes). The median step is the one of median length (the lower
+    of the two middle ones for an even count), and every part below is that step's, so the parts add up to
+    its length and none is negative (medians of each part taken apart need not: they can come from different
+    steps):
 
     - ``backprop``: the step's start to its last bucket start (forward, backward and the bucket copies: the
       compute before the last gradient exists);
@@ -20,7 +23,6 @@ def breakdown(trace: dict, fit: int | None = None) -> dict:
 
     Steps without buckets (overlap off) count the fused all-reduce as ``exposed`` and ``backprop`` as the
     time before it. Returns ``{rank: {name: seconds}}``."""
-    import numpy as np
 
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     out = {}
@@ -51,7 +53,8 @@ def breakdown(trace: dict, fit: int | None = None) -> dict:
             rows.append((step["dur"], backprop, exposed, metric, comm))
         if not rows:
             continue
-        step_s, backprop, exposed, metric, comm = (float(np.median(c)) / 1e6 for c in zip(*rows))
+        middle = sorted(rows, key=lambda r: r[0])[(len(rows) - 1) // 2]
+        step_s, backprop, exposed, metric, comm = (float(c) / 1e6 for c in middle)
         out[rank] = {"steps": len(rows), "step": step_s, "backprop": backprop, "exposed": exposed,
                      "metric": metric, "other": step_s - backprop - exposed - metric, "comm": comm,
                      "hidden": max(0.0, 1 - exposed / comm) if comm > 0 else None}
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
         print(f"{args.trace}: no 'train step' spans{which} (fit records them; a custom loop adds its own with "
               "strategy.timeline.span('train step', 'step', t0, t1))", file=sys.stderr)
         return 1
-    print("medians over each rank's train steps after each fit's first (which may trace)")
+    print("each rank's median train step (after each fit's first, which may trace) and its parts")
     print("rank  steps   step_s  backprop  exposed   metric    other     comm  hidden")
     for rank, r in rows.items():
         hidden = "" if r["hidden"] is None else f"{r['hidden']:6.0%}"
