@@ -20,7 +20,8 @@ Models: ``resnet50`` (``keras.applications.ResNet50(weights=None)``, 32x32x3, 10
 ``cpu_s``) came out of compute's at compute's rate, ``compute.step_s * (1 + allreduce.cpu_s / compute.cpu_s)``,
 or the all-reduce alone where that is longer; an estimate of the floor (medians, so a step can come in under
 it) only where the ranks already fill the machine's CPUs (emulated hosts on one machine). ``over_cpu_bound``
-is the step with overlap over it. TensorFlow threads: ``--threads`` intra-op and inter-op.
+is the step with overlap over it. TensorFlow threads: ``--threads`` intra-op and inter-op, ``--inter-op`` inter-op
+alone (the pool every ``tf.numpy_function`` of the buckets runs in).
 Rank 0 prints one JSON line per configuration and appends it to ``--json``.
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="TensorFlow intra/inter-op threads (0: TF's default)")
+    ap.add_argument("--inter-op", type=int, default=0, help="TensorFlow inter-op threads alone (0: --threads)")
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--compression", default="none", choices=("none", "fp16", "bf16"))
     ap.add_argument("--bucket-bytes", default=None,
@@ -76,6 +78,8 @@ def main() -> None:
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    if args.inter_op:
+        tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
     import keras
 
     from torus.bench.sweep import format_size, parse_size
@@ -168,6 +172,7 @@ def main() -> None:
                    "per_rank_batch": args.batch, "algorithm": args.algorithm, "compression": args.compression,
                    "bucket_bytes": caps if len(caps) > 1 else default_cap,
                    "bucket_growth": growths if len(growths) > 1 else default_growth, "threads": args.threads,
+                   "inter_op": args.inter_op or args.threads or tf.config.threading.get_inter_op_parallelism_threads(),
                    "rounds": args.rounds,
                    "link_gbits": strategy.torus_comm.link_gbits, "load_avg_1min": os.getloadavg()[0],
                    "gradient_mib": sum(int(np.prod(v.shape)) for v in model.trainable_variables) * 4 / 2**20,

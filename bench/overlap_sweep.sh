@@ -7,7 +7,7 @@
 #   bench/overlap_sweep.sh bench/results/overlap.jsonl
 # RATES="1gbit" and PPNS="2" narrow the sweep (defaults: "1gbit 4gbit none", "1 2"); MODELS (default
 # "resnet50 cnn mlp") the models, FP16 (default "resnet50") those also run with fp16 at 1 Gbit/s, ROUNDS
-# (default 3) the rounds per configuration.
+# (default 3) the rounds per configuration; EXTRA more arguments of overlap.py (e.g. "--inter-op 1").
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/overlap.jsonl}
@@ -26,7 +26,7 @@ for rate in ${RATES:-1gbit 4gbit none}; do
         fi
         for run in "${runs[@]}"; do
             line=$(timeout 1200 $py -m tests.cluster --name $name run --ppn $ppn -- -n $((2 * ppn)) \
-                   $py bench/overlap.py $run --rounds ${ROUNDS:-3} --steps 4 2>&1 | grep '"step_s"' | tail -1)
+                   $py bench/overlap.py $run --rounds ${ROUNDS:-3} --steps 4 ${EXTRA:-} 2>&1 | grep '"step_s"' | tail -1)
             [ -n "$line" ] || { echo "rate $rate ppn $ppn $run: no result" >&2; continue; }
             echo "$line" | $py -c "import json, sys; r = json.loads(sys.stdin.read()); r['rate'] = '$rate'; \
 r['hosts'] = 2; r['ranks_per_host'] = $ppn; print(json.dumps(r))" | tee -a "$out" | cut -c1-160
