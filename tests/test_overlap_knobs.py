@@ -54,10 +54,12 @@ def test_bucket_bytes(monkeypatch):
     assert resolve_bucket_bytes(comm(2), 4096) == 4096
     monkeypatch.setenv("TORUS_BUCKET_BYTES", "65536")
     assert resolve_bucket_bytes(comm(2), None) == 65536
+    monkeypatch.setenv("TORUS_BUCKET_BYTES", " 1024\n")
+    assert resolve_bucket_bytes(comm(2), None) == 1024
     assert resolve_bucket_bytes(comm(2), 7) == 7
 
 
-@pytest.mark.parametrize("text", ["0", "-5", "abc", "1e6", "1k", "4096.5"])
+@pytest.mark.parametrize("text", ["0", "-5", "abc", "1e6", "1k", "4096.5", "1_000", "\uff11\uff12\uff13"])
 def test_bad_bucket_bytes_variable_is_named(monkeypatch, text):
     monkeypatch.setenv("TORUS_BUCKET_BYTES", text)
     with pytest.raises(ValueError, match=rf"rank 3: TORUS_BUCKET_BYTES='{text}': expected a whole number"):

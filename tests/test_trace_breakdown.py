@@ -52,6 +52,25 @@ def test_the_parts_are_the_median_steps_and_never_negative():
     assert r["steps"] == 4 and r["step"] == pytest.approx(0.95) and r["other"] == pytest.approx(0.95 - 0.2 - 0.5)
 
 
+def test_steps_per_execution_parts_add_up_and_count_each_wait_once():
+    # one span holds two steps: starts, waits and a metric all-reduce each; the first step's wait and metric
+    # fall before the last start, and a metric all-reduce that overlaps a wait is counted once
+    events = []
+    for k in range(3):
+        t0 = 10.0 * k
+        events += [span("train step", 0, t0, 2.0),
+                   span("bucket 0 start", 0, t0 + 0.3, 0.0), span("bucket 0 allreduce", 0, t0 + 0.3, 0.4),
+                   span("bucket 0 wait", 0, t0 + 0.5, 0.2), span("metric allreduce", 0, t0 + 0.65, 0.15),
+                   span("bucket 0 start", 0, t0 + 1.2, 0.0), span("bucket 0 allreduce", 0, t0 + 1.2, 0.5),
+                   span("bucket 0 wait", 0, t0 + 1.3, 0.4), span("metric allreduce", 0, t0 + 1.8, 0.1)]
+    r = breakdown({"traceEvents": events})[0]
+    assert r["exposed"] == pytest.approx(0.2 + 0.4)
+    assert r["metric"] == pytest.approx(0.1 + 0.1)  # 0.65-0.80 less its part in the wait to 0.70; 1.8-1.9
+    assert r["backprop"] == pytest.approx(1.2 - 0.2 - 0.1)  # to the last start, less the wait and metric
+    assert r["other"] == pytest.approx(2.0 - 0.9 - 0.6 - 0.2) and r["other"] >= 0
+    assert r["comm"] == pytest.approx(0.9)
+
+
 def test_overlap_off_counts_the_fused_allreduce_as_exposed():
     events = []
     for k in range(3):

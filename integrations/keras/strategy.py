@@ -21,14 +21,23 @@ it. Why not ``MirroredStrategy``: with one local device it never calls custom cr
 from __future__ import annotations
 
 import contextlib
+import zlib
 
+import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from torus import TorusComm, faults
+from torus import TorusComm, agreement, faults
+from torus.errors import MismatchError
 from torus.integrations.keras import compat
 from torus.integrations.keras.collectives import trace
-from torus.integrations.keras.collectives.loop import HostAllreduce, broadcast_variables, wait_for_every_rank
+from torus.integrations.keras.collectives.loop import (
+    HostAllreduce,
+    broadcast_variables,
+    gather_records,
+    stall_timeout,
+    wait_for_every_rank,
+)
 from torus.integrations.keras.collectives.sparse import reduce_gradients
 from torus.integrations.keras.fit import fit_hook, inputs, saving
 from torus.integrations.keras.fit.creation import InitialValues
@@ -128,6 +137,27 @@ class _TorusExtended(compat.OneDeviceExtended):
         return inputs.split_batches(self._container_strategy(), dataset)
 
 
+def _agree_settings(torus_comm, settings: dict) -> None:
+    """``MismatchError`` on every rank when the ranks' ``settings`` (the resolved overlap, the algorithm, the
+    compression, sparse_as_dense) differ: each decides which collectives a step issues, so ranks that differ
+    would pair the wrong messages or wait forever. One ``MPI_Iallgather`` bounded by the stall timeout, before
+    the strategy's first collective that depends on them. Collective; nothing at one rank."""
+    if torus_comm.size == 1:
+        return
+    rank, timeout = torus_comm.rank, stall_timeout(torus_comm)
+    text = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+    every = gather_records(torus_comm.comm, np.array([zlib.crc32(text.encode())], np.int64), timeout, lambda: (
+        f"TorusStrategy on rank {rank}: no progress for {timeout:g} s comparing the ranks' settings: some rank "
+        "did not construct it (it raised, exited or is stuck)"))
+    differ = [r for r in range(torus_comm.size) if every[r, 0] != every[0, 0]]
+    if differ:
+        texts = torus_comm.comm.allgather(text)  # every rank is here and saw the same difference
+        raise MismatchError(
+            f"TorusStrategy on rank {rank}: {agreement.ranks_text(differ)} constructed it with other settings "
+            f"than rank 0 (rank 0: {texts[0]}; rank {differ[0]}: {texts[differ[0]]}): pass the same arguments "
+            "and TORUS_OVERLAP / TORUS_ALGO on every rank")
+
+
 class TorusStrategy(tf.distribute.Strategy):
     """Synchronous data parallelism across the ranks of an MPI communicator, one replica per rank.
 
@@ -181,6 +211,8 @@ class TorusStrategy(tf.distribute.Strategy):
             raise TypeError(f"TorusStrategy: sparse_as_dense must be True or False, not {sparse_as_dense!r}")
         self.host = HostAllreduce(torus_comm, algorithm, compression, overlap=overlap, bucket_bytes=bucket_bytes,
                                   sparse_as_dense=sparse_as_dense)
+        _agree_settings(torus_comm, {"overlap": self.host.overlap, "algorithm": algorithm,
+                                     "compression": compression, "sparse_as_dense": sparse_as_dense})
         # With overlap, the replica context's collectives (SyncBN's moments, strategy.reduce inside run) and the
         # metric all-reduce get a TorusComm of their own, run inline on TensorFlow's thread beside the buckets
         # on the communication thread (which needs MPI_THREAD_MULTIPLE): then the bucket starts need not come

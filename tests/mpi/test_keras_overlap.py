@@ -20,6 +20,7 @@ tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 from kerasref import Record, assert_identical_across_ranks, assert_steps_match, data, initial_weights  # noqa: E402
 
+from torus.errors import MismatchError  # noqa: E402
 from torus.integrations.keras import TorusStrategy, allreduce_tensors  # noqa: E402
 
 STEPS = 4
@@ -165,6 +166,20 @@ def test_layout_mismatch_names_the_ranks(world, strategies):
         reduce([tf.ones(n), tf.ones(70)])
     got = reduce([tf.ones(100), tf.ones(70)])  # the thread keeps working after the error
     np.testing.assert_array_equal(got[0].numpy(), np.full(100, world.size, np.float32))
+
+
+@pytest.mark.parametrize("differs", ["overlap", "compression", "algorithm"])
+def test_settings_that_differ_across_ranks_are_refused_at_construction(world, differs):
+    # overlap on one rank only made an extra collective (the replica communicator's Dup) there: a hang
+    last = world.size - 1
+    odd = world.rank == last
+    kwargs = {"overlap": not odd if differs == "overlap" else True,
+              "compression": "fp16" if differs == "compression" and odd else "none",
+              "algorithm": "ring" if differs == "algorithm" and odd else "auto"}
+    with pytest.raises(MismatchError, match=rf"TorusStrategy on rank {world.rank}: rank {last} constructed it with "
+                       rf"other settings than rank 0 \(rank 0: overlap=True.*; rank {last}: .*{differs}="):
+        TorusStrategy(**kwargs)
+    assert TorusStrategy(overlap=True).host.overlap  # the ranks still agree afterwards
 
 
 def test_timeline_is_one_trace_with_every_rank(world, tmp_path_factory):

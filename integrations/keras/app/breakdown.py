@@ -14,15 +14,16 @@ def breakdown(trace: dict, fit: int | None = None) -> dict:
     steps):
 
     - ``backprop``: the step's start to its last bucket start (forward, backward and the bucket copies: the
-      compute before the last gradient exists);
-    - ``exposed``: the bucket waits after that (communication the step did not hide);
-    - ``metric``: the metric all-reduces in the step;
+      compute before the last gradient exists), less the waits and metric all-reduces in that time;
+    - ``exposed``: the time in bucket waits (communication the step did not hide);
+    - ``metric``: the time in metric all-reduces, outside waits;
     - ``other``: the rest (the optimizer update, input, Keras and callbacks), so the four add up to ``step``;
     - ``comm``: the buckets' time on the communication thread, and ``hidden`` = 1 - exposed / comm (at least 0: a
       wait also costs its own call, which can exceed a tiny bucket's all-reduce).
 
-    Steps without buckets (overlap off) count the fused all-reduce as ``exposed`` and ``backprop`` as the
-    time before it. Returns ``{rank: {name: seconds}}``."""
+    Steps without buckets (overlap off) count the fused all-reduces as ``exposed`` and ``backprop`` as the
+    time before the first. A ``train step`` span is one call of the train function: with
+    ``steps_per_execution=K`` it holds K steps, and so do its parts. Returns ``{rank: {name: seconds}}``."""
 
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     out = {}
@@ -42,14 +43,17 @@ def breakdown(trace: dict, fit: int | None = None) -> dict:
             starts = [e for e in inside if e["name"].endswith(" start") and "bucket" in e["name"]]
             waits = [e for e in inside if e["name"].endswith(" wait") and "bucket" in e["name"]]
             fused = [e for e in inside if e["name"] == "allreduce"]
-            metric = sum(e["dur"] for e in inside if e["name"] == "metric allreduce")
+            metrics = [e for e in inside if e["name"] == "metric allreduce"]
             comm = sum(e["dur"] for e in inside if e["name"].endswith(" allreduce") and "bucket" in e["name"])
+            blocked = waits if starts else fused
             if starts:
-                backprop = max(e["ts"] + e["dur"] for e in starts) - t0
-                exposed = sum(max(0.0, e["ts"] + e["dur"] - max(e["ts"], t0 + backprop)) for e in waits)
+                end = max(e["ts"] + e["dur"] for e in starts)
             else:
-                backprop = (fused[0]["ts"] - t0) if fused else step["dur"]
-                exposed = comm = sum(e["dur"] for e in fused)
+                end = fused[0]["ts"] if fused else t1
+                comm = sum(e["dur"] for e in fused)
+            exposed = _covered(blocked, t0, t1)
+            metric = _covered(blocked + metrics, t0, t1) - exposed
+            backprop = end - t0 - _covered(blocked + metrics, t0, end)
             rows.append((step["dur"], backprop, exposed, metric, comm))
         if not rows:
             continue
@@ -59,6 +63,16 @@ def breakdown(trace: dict, fit: int | None = None) -> dict:
                      "metric": metric, "other": step_s - backprop - exposed - metric, "comm": comm,
                      "hidden": max(0.0, 1 - exposed / comm) if comm > 0 else None}
     return out
+
+
+def _covered(spans: list, lo: float, hi: float) -> float:
+    """The time in [lo, hi] that at least one of ``spans`` covers (overlapping spans counted once)."""
+    total, reach = 0.0, lo
+    for a, b in sorted((max(lo, e["ts"]), min(hi, e["ts"] + e["dur"])) for e in spans):
+        if b > max(a, reach):
+            total += b - max(a, reach)
+            reach = b
+    return total
 
 
 def main(argv=None) -> int:

@@ -82,9 +82,9 @@ def resolve_bucket_bytes(torus_comm, bucket_bytes: int | None) -> int:
     rank = torus_comm.rank
     if bucket_bytes is None:
         text = knobs.read("TORUS_BUCKET_BYTES")
-        if not text:
+        if not text.strip():
             return BUCKET_BYTES
-        if not text.isdigit() or int(text) < 1:
+        if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:  # not "１２３" nor "1_000"
             raise ValueError(f"TorusStrategy on rank {rank}: TORUS_BUCKET_BYTES={text!r}: expected a whole number "
                              "of bytes, at least 1 (e.g. 4194304)")
         return int(text)
