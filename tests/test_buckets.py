@@ -47,6 +47,13 @@ def test_the_default_ramps_from_one_mib_by_doubling():
     assert [len(b) for b in got] == [1, 2, 4, 4, 1]
 
 
+def test_thousands_of_buckets_keep_the_cap():
+    # growth ** k alone overflows a float past about 1,000 buckets
+    got = plan([3] * 3000, ["f"] * 3000, cap=6, first_cap=1, growth=2)
+    assert [len(b) for b in got[:3]] == [1, 1, 2] and all(len(b) == 2 for b in got[2:])
+    assert sorted(i for b in got for i in b) == list(range(3000))
+
+
 def test_dtypes_never_share_a_bucket():
     got = plan([8, 8, 8, 8], ["a", "b", "a", "b"], cap=100)
     assert got == [[3, 1], [2, 0]]

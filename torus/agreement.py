@@ -79,6 +79,19 @@ def reports_errors(method):
     return wrapper
 
 
+def texts_that_differ(comm, text: str, timeout, stalled) -> tuple[list[int], list[str]]:
+    """Compare ``text`` (a short description of what this rank is about to do) across the ranks of ``comm``:
+    one ``MPI_Iallgather`` of its crc32, waited at most ``timeout`` s without progress (else
+    ``torus.errors.TimeoutError`` with the message ``stalled()``). Returns the ranks whose text differs from
+    rank 0's and, where there are any, every rank's text (a second all-gather: every rank is here then and
+    saw the same difference), else ``[]``. Collective."""
+    mine = np.array([zlib.crc32(text.encode())], np.int64)
+    every = np.empty(comm.Get_size(), np.int64)
+    faults.wait(comm.Iallgather(mine, every), timeout, stalled)
+    differ = [r for r in range(every.size) if every[r] != every[0]]
+    return differ, (comm.allgather(text) if differ else [])
+
+
 def announce(comm, size: int, what: str) -> tuple:
     """Post this rank's "argument error" signature; not waited for (see ``finish``)."""
     mine = np.full(len(SIGNATURE), -1, np.int64)

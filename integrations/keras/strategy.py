@@ -21,9 +21,7 @@ it. Why not ``MirroredStrategy``: with one local device it never calls custom cr
 from __future__ import annotations
 
 import contextlib
-import zlib
 
-import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
@@ -34,7 +32,6 @@ from torus.integrations.keras.collectives import trace
 from torus.integrations.keras.collectives.loop import (
     HostAllreduce,
     broadcast_variables,
-    gather_records,
     stall_timeout,
     wait_for_every_rank,
 )
@@ -146,12 +143,10 @@ def _agree_settings(torus_comm, settings: dict) -> None:
         return
     rank, timeout = torus_comm.rank, stall_timeout(torus_comm)
     text = ", ".join(f"{k}={v!r}" for k, v in settings.items())
-    every = gather_records(torus_comm.comm, np.array([zlib.crc32(text.encode())], np.int64), timeout, lambda: (
+    differ, texts = agreement.texts_that_differ(torus_comm.comm, text, timeout, lambda: (
         f"TorusStrategy on rank {rank}: no progress for {timeout:g} s comparing the ranks' settings: some rank "
         "did not construct it (it raised, exited or is stuck)"))
-    differ = [r for r in range(torus_comm.size) if every[r, 0] != every[0, 0]]
     if differ:
-        texts = torus_comm.comm.allgather(text)  # every rank is here and saw the same difference
         raise MismatchError(
             f"TorusStrategy on rank {rank}: {agreement.ranks_text(differ)} constructed it with other settings "
             f"than rank 0 (rank 0: {texts[0]}; rank {differ[0]}: {texts[differ[0]]}): pass the same arguments "

@@ -32,13 +32,12 @@ Program order, the timing kept per host and the timeline spans: docs/design.md (
 from __future__ import annotations
 
 import time
-import zlib
 from collections import OrderedDict
 
 import numpy as np
 import tensorflow as tf
 
-from torus import IN_PLACE, agreement, faults, kernels
+from torus import IN_PLACE, agreement, kernels
 from torus.errors import MismatchError
 from torus.integrations.keras.collectives.window import pack
 
@@ -59,6 +58,7 @@ def plan(sizes_bytes: list[int], dtypes: list, cap: int, first_cap: int = FIRST_
     buckets: list[list[int]] = []
     sizes: list[int] = []
     caps: list[float] = []
+    next_cap = min(cap, first_cap)  # kept at most cap: growth ** k alone overflows a float past ~1,000 buckets
     open_: dict = {}
     for i in reversed(range(len(sizes_bytes))):
         b = open_.get(dtypes[i])
@@ -66,7 +66,8 @@ def plan(sizes_bytes: list[int], dtypes: list, cap: int, first_cap: int = FIRST_
             b = open_[dtypes[i]] = len(buckets)
             buckets.append([])
             sizes.append(0)
-            caps.append(min(cap, first_cap * growth ** b if b else first_cap))
+            caps.append(next_cap)
+            next_cap = min(cap, next_cap * growth)
         buckets[b].append(i)
         sizes[b] += sizes_bytes[i]
         if sizes[b] >= caps[b]:
@@ -173,17 +174,11 @@ class Buckets:
 
     def _agree(self, layout: int) -> None:
         tc = self.host.torus_comm
-        comm, rank, size = tc.comm, tc.rank, tc.size
-        text = self._describe(layout)
-        mine = np.array([len(self._layouts[layout][1]), zlib.crc32(text.encode())], np.int64)
-        every = np.empty((size, 2), np.int64)
-        timeout = tc._executor.timeout
-        faults.wait(comm.Iallgather(mine, every), timeout, lambda: (
+        rank, timeout = tc.rank, tc._executor.timeout
+        differ, texts = agreement.texts_that_differ(tc.comm, self._describe(layout), timeout, lambda: (
             f"allreduce of gradient buckets on rank {rank}: no progress for {timeout:g} s agreeing on the bucket "
             "layout: some rank did not reach this step (it raised, exited or is stuck)"))
-        differ = [r for r in range(size) if (every[r] != every[0]).any()]
         if differ:
-            texts = comm.allgather(text)  # every rank is here: all of them saw the same difference
             raise MismatchError(
                 f"allreduce of gradient buckets on rank {rank}: {agreement.ranks_text(differ)} bucket the "
                 f"gradients differently from rank 0 (rank 0: {texts[0]}; rank {differ[0]}: {texts[differ[0]]}): "

@@ -82,12 +82,13 @@ def resolve_bucket_bytes(torus_comm, bucket_bytes: int | None) -> int:
     rank = torus_comm.rank
     if bucket_bytes is None:
         text = knobs.read("TORUS_BUCKET_BYTES")
-        if not text.strip():
+        digits = text.strip()
+        if not digits:
             return BUCKET_BYTES
-        if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:  # not "１２３" nor "1_000"
+        if not (digits.isascii() and digits.isdigit()) or int(digits) < 1:  # not "１２３" nor "1_000"
             raise ValueError(f"TorusStrategy on rank {rank}: TORUS_BUCKET_BYTES={text!r}: expected a whole number "
                              "of bytes, at least 1 (e.g. 4194304)")
-        return int(text)
+        return int(digits)
     if isinstance(bucket_bytes, (bool, np.bool_)) or not isinstance(bucket_bytes, (int, np.integer)):
         raise TypeError(f"TorusStrategy on rank {rank}: bucket_bytes={bucket_bytes!r}: expected an int (bytes)")
     if bucket_bytes < 1:
