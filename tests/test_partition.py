@@ -141,28 +141,39 @@ def _fresh(layout, n, filled):
     return state, [np.zeros(n, int) for _ in range(layout.size)]
 
 
+def _swing_local(algo):
+    """``swing@A`` / ``swing_latency@A``: Swing with grid axis ``A`` inside the nodes (its steps first)."""
+    base, _, axis = algo.partition("@")
+    return base, {"local": int(axis)} if axis else {}
+
+
 def _allreduce_plans(algo, layout, count):
+    algo, local = _swing_local(algo)
     if algo == "ring":
         return [ring.allreduce("world", r, layout.size, count) for r in range(layout.size)]
-    if algo in ("torus2d", "swing", "swing_latency"):
-        fn = {"torus2d": torus2d.allreduce, "swing": swing.allreduce, "swing_latency": swing.allreduce_latency}[algo]
-        return [fn(*layout.grid(r), layout.X, layout.Y, count) for r in range(layout.size)]
+    if algo == "torus2d":
+        return [torus2d.allreduce(*layout.grid(r), layout.X, layout.Y, count) for r in range(layout.size)]
+    if algo in ("swing", "swing_latency"):
+        fn = swing.allreduce if algo == "swing" else swing.allreduce_latency
+        return [fn(*layout.grid(r), layout.X, layout.Y, count, **local) for r in range(layout.size)]
     return [hierarchical.allreduce(*layout.node(r), count, layout.rpn) for r in range(layout.size)]
 
 
 def _block_plans(module_fn, algo, layout, counts):
     displs = displacements(counts)
+    algo, local = _swing_local(algo)
     if algo == "ring":
         fn = getattr(ring, module_fn)
         return [fn("world", r, layout.size, counts, displs) for r in range(layout.size)]
     if algo in ("torus2d", "swing"):
         fn = getattr(torus2d if algo == "torus2d" else swing, module_fn)
-        return [fn(*layout.grid(r), layout.X, layout.Y, counts, displs) for r in range(layout.size)]
+        return [fn(*layout.grid(r), layout.X, layout.Y, counts, displs, **local) for r in range(layout.size)]
     fn = getattr(hierarchical, module_fn)
     return [fn(*layout.node(r), counts, displs) for r in range(layout.size)]
 
 
 def _layouts(algo, size, regular_nodes=False):
+    algo = _swing_local(algo)[0]
     if algo == "ring":
         return [Layout(size)]
     if algo in ("torus2d", "swing", "swing_latency"):
@@ -171,10 +182,11 @@ def _layouts(algo, size, regular_nodes=False):
 
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
-ALGOS = ["ring", "torus2d", "hierarchical", "swing"]
+ALGOS = ["ring", "torus2d", "hierarchical", "swing", "swing@0", "swing@1"]
+LATENCY = ["swing_latency", "swing_latency@0", "swing_latency@1"]
 
 
-@pytest.mark.parametrize("algo", ALGOS + ["swing_latency"])
+@pytest.mark.parametrize("algo", ALGOS + LATENCY)
 @pytest.mark.parametrize("size", SIZES)
 def test_allreduce_plans_reduce_every_element_once_on_every_rank(algo, size):
     for layout in _layouts(algo, size):
@@ -239,7 +251,7 @@ def test_step_counts_match_the_papers_latency_terms(size):
             assert len(plan) == 2 * (layout.X - 1) + 2 * (layout.Y - 1)
 
 
-@pytest.mark.parametrize("algo", ["swing", "swing_latency"])
+@pytest.mark.parametrize("algo", ["swing", "swing@0", "swing@1"] + LATENCY)
 @pytest.mark.parametrize("size", [3, 4, 5, 6, 7, 8, 12, 16])
 def test_swing_float_sums_are_bitwise_equal_on_every_rank(algo, size):
     """On random floats (where the order of additions shows in the last bits) every rank ends with the same

@@ -96,6 +96,36 @@ def test_one_folded_axis_folds_after_the_other_axis_first_step(X, Y, moved):
         assert plan[len(plan) - g.until:] == shadow[len(plan) - g.until:]
 
 
+@pytest.mark.parametrize("local,first", [(0, "row"), (1, "col")])
+def test_the_axis_inside_the_nodes_runs_first(local, first):
+    """4 x 16 with ``local``: every step of that axis, then the other's; the all-gather reverses."""
+    plan = swing.allreduce(1, 2, 4, 16, 4 * 16 * 5, local=local)
+    comms = [st.sends[0].comm for st in plan]
+    half = ["row"] * 2 + ["col"] * 4 if first == "row" else ["col"] * 4 + ["row"] * 2
+    assert comms == half + half[::-1]
+
+
+@pytest.mark.parametrize("nodes,L,round_robin", [(4, 4, True), (4, 4, False), (8, 2, True), (2, 8, False),
+                                                 (16, 4, True)])
+def test_swing_across_nodes_sends_what_the_2d_torus_sends_through_a_node_link(nodes, L, round_robin):
+    """Built on a Topology of ``nodes`` nodes of ``L`` ranks (blocks or round robin: TorusComm's grid, one
+    axis inside the nodes), a rank's Swing all-reduce sends ``2 (C-1)/C * M/L`` across the nodes (M: the
+    buffer, C: the nodes; the halvings inside the node come first), as the 2D torus' column phase does;
+    with the axes in turn it sends more as soon as the node holds more than 2 ranks."""
+    size, count = nodes * L, nodes * L * 64
+    node_of = tuple(r % nodes if round_robin else r // L for r in range(size))
+    dims = (nodes, L) if round_robin else (L, nodes)
+    cross = {"row", "col"} - {Topology(0, size, dims, node_of).node_axis}
+    for r in range(size):
+        t = Topology(r, size, dims, node_of)
+        sent = {a: sum(m.count for st in build("allreduce", a, t, count) for m in st.sends if m.comm in cross)
+                for a in ("swing", "torus2d")}
+        assert sent["swing"] == sent["torus2d"] == 2 * (nodes - 1) * count // (nodes * L), r
+        x, y = t.coords
+        in_turn = sum(m.count for st in swing.allreduce(x, y, *dims, count) for m in st.sends if m.comm in cross)
+        assert in_turn > sent["swing"] if L > 2 and nodes > 1 else in_turn >= sent["swing"]
+
+
 def test_build_runs_swing_on_the_topologys_grid():
     t = Topology(5, 8, (2, 4), tuple(range(8)))
     assert build("allreduce", "swing", t, 100) == swing.allreduce(1, 2, 2, 4, 100)

@@ -4,7 +4,7 @@
 ``algorithm`` is one of ring, torus2d, hierarchical, swing, swing_latency (native has no plan); the ring
 visits the ranks node by node (``Topology.ring_order``), the 2D-torus all-reduce runs its node-local axis first
 (``Topology.columns_first``); swing runs on the grid (``Topology.dims``, a line when a side is 1) in rank
-order. Pass the algorithm through ``effective``
+order, its node-local axis' steps first where one axis lies within the nodes. Pass the algorithm through ``effective``
 first, which is where the hierarchical reduce-scatter and all-gather fall back to the ring on nodes that are
 not equal runs of consecutive ranks (their blocks follow the rank order).
 """
@@ -76,9 +76,9 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
         if algorithm == "ring":
             return ring.allreduce("world", t.ring_position, t.size, counts, order=t.ring_order)
         if algorithm == "swing":
-            return swing.allreduce(x, y, X, Y, counts)
+            return swing.allreduce(x, y, X, Y, counts, local=_local_axis(t))
         if algorithm == "swing_latency":
-            return swing.allreduce_latency(x, y, X, Y, counts)
+            return swing.allreduce_latency(x, y, X, Y, counts, local=_local_axis(t))
         return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
     displs = displacements(counts)
     rs = collective == "reduce_scatter"
@@ -87,4 +87,9 @@ def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
         return (ring.reduce_scatter if rs else ring.allgather)(
             "world", t.ring_position, t.size, [counts[r] for r in order], [displs[r] for r in order],
             order=order)
-    return (swing.reduce_scatter if rs else swing.allgather)(x, y, X, Y, counts, displs)
+    return (swing.reduce_scatter if rs else swing.allgather)(x, y, X, Y, counts, displs, local=_local_axis(t))
+
+
+def _local_axis(t: Topology) -> int | None:
+    """The grid axis (0: row, 1: column) inside the nodes, whose Swing steps run first; None on one node."""
+    return {"row": 0, "col": 1}.get(t.node_axis or "")

@@ -7,7 +7,7 @@ Vocabulary. On a line of ``n = 2**L`` ranks, step ``s`` pairs rank ``r`` with ``
 even and ``r - rho(s)`` when odd (mod ``n``), ``rho(s) = sum_{i=0..s} (-2)**i`` = 1, -1, 3, -5, 11, ...:
 distances that grow as the data halves, so the largest messages travel the shortest distances. On an
 ``X x Y`` grid the steps alternate between the row (``x``'s parity and distance) and the column until both
-axes have run their ``log2`` steps. A *group* ``G(r, s)`` is the set of ranks ``r`` still reaches in steps
+axes have run their ``log2`` steps; where one axis lies within the nodes (``local``), its steps run first. A *group* ``G(r, s)`` is the set of ranks ``r`` still reaches in steps
 ``s, s+1, ...``; the groups of one step partition the ranks, and ``G(r, s)`` is ``G(r, s+1)`` joined with
 ``G(peer, s+1)``. Reduce-scatter: at step ``s`` rank ``r`` sends the peer the data of ``G(peer, s+1)`` and
 reduces what the peer sends of ``G(r, s+1)`` (``L`` steps; half, then a quarter ... of the buffer: ``(n-1)/n``
@@ -62,11 +62,14 @@ def _coord(k: int, e: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _steps(cx: int, cy: int, first: int = 0) -> tuple:
-    """The axis (0: row, 1: column) and axis step of every Swing step on a ``cx x cy`` core, the axes in turn
-    from axis ``first``."""
+def _steps(cx: int, cy: int, first: int = 0, in_turn: bool = True) -> tuple:
+    """The axis (0: row, 1: column) and axis step of every Swing step on a ``cx x cy`` core: the axes in turn
+    from axis ``first`` (the paper's order), or (``in_turn`` false) every step of axis ``first``, then the
+    other's."""
     logs = (cx.bit_length() - 1, cy.bit_length() - 1)
     axes = (first, 1 - first)
+    if not in_turn:
+        return tuple((a, k) for a in axes for k in range(logs[a]))
     return tuple((a, k) for k in range(max(logs)) for a in axes if k < logs[a])
 
 
@@ -78,13 +81,13 @@ def _peer(kx: int, ky: int, cx: int, cy: int, step: tuple) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=16)
-def _order(cx: int, cy: int, first: int = 0) -> tuple:
+def _order(cx: int, cy: int, first: int = 0, in_turn: bool = True) -> tuple:
     """``(pos, lo, by_pos)`` on a ``cx x cy`` core, core ranks numbered ``kx + cx * ky``: ``pos[v]``, an
     order of the ranks in which every group is contiguous; ``lo[s][v]``, the first position of ``G(v, s)``
     (which holds ``2**(L - s)`` ranks); ``by_pos``, the ranks in that order. Built bottom-up: each group's
     label is its least member; at step ``s`` the half whose label is larger goes second (bit ``L-1-s`` of
     the position)."""
-    steps = _steps(cx, cy, first)
+    steps = _steps(cx, cy, first, in_turn)
     n = cx * cy
     v = np.arange(n)
     peer = [np.array([_peer(r % cx, r // cx, cx, cy, st)[0] + cx * _peer(r % cx, r // cx, cx, cy, st)[1]
@@ -130,13 +133,23 @@ class _Grid:
     folds: an axis folds just before its first step (``fold_at``), when the data has already halved once per
     step before it, and the axes run in turn from an unfolded one where there is one, so a grid with one
     folded axis folds half the buffer. Peers are indices in the row or column communicator, so a folded rank
-    taking its shadow's step talks to the same coordinate of its own row or column, which folds alike."""
+    taking its shadow's step talks to the same coordinate of its own row or column, which folds alike.
 
-    def __init__(self, x: int, y: int, X: int, Y: int, comms: tuple):
+    ``local``: the axis whose communicators lie within the nodes (None: no such axis). Its steps then all run
+    first and the other axis' after them, so the halvings inside the nodes come before anything crosses a
+    node's link: ``1/L`` of the buffer leaves each of a node's ``L`` ranks at the first crossing step, where
+    the axes in turn send half of it from every rank at the second (the 2D torus' ``columns_first``, for the
+    same reason)."""
+
+    def __init__(self, x: int, y: int, X: int, Y: int, comms: tuple, local: int | None = None):
         self.x, self.y, self.X, self.Y, self.comms = x, y, X, Y, comms
         (self.cx, self.ex), (self.cy, self.ey) = _core(X), _core(Y)
-        self.first = 1 if self.ex and not self.ey and self.cy > 1 else 0
-        self.steps = _steps(self.cx, self.cy, self.first)
+        self.in_turn = local is None or min(self.cx, self.cy) == 1
+        if not self.in_turn:
+            self.first = local
+        else:
+            self.first = 1 if self.ex and not self.ey and self.cy > 1 else 0
+        self.steps = _steps(self.cx, self.cy, self.first, self.in_turn)
         self.fold_at = {a: next(i for i, st in enumerate(self.steps) if st[0] == a)
                         for a, e in ((0, self.ex), (1, self.ey)) if e}
         kx, ky = _core_index(x, self.ex), _core_index(y, self.ey)
@@ -149,7 +162,7 @@ class _Grid:
         self.until = min((self.fold_at[a] for a in self.extra_on), default=len(self.steps))
 
     def order(self) -> tuple:
-        return _order(self.cx, self.cy, self.first)
+        return _order(self.cx, self.cy, self.first, self.in_turn)
 
     def world_of(self, kx: int, ky: int) -> tuple[int, int]:
         return _coord(kx, self.ex), _coord(ky, self.ey)
@@ -260,10 +273,10 @@ def _swing_ag(g: _Grid, group, held) -> list:
     return out
 
 
-def _grid(x: int, y: int, X: int, Y: int, row: str, col: str) -> _Grid:
+def _grid(x: int, y: int, X: int, Y: int, row: str, col: str, local: int | None = None) -> _Grid:
     if X == 1 or Y == 1:  # a line: one axis on the world communicator, in rank order
         return _Grid(x + X * y, 0, X * Y, 1, ("world", "world"))
-    return _Grid(x, y, X, Y, (row, col))
+    return _Grid(x, y, X, Y, (row, col), local)
 
 
 def _chunk_groups(g: _Grid, count: int):
@@ -292,16 +305,19 @@ def _block_groups(g: _Grid, counts, displs):
     return group
 
 
-def allreduce(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col: str = "col") -> list:
+def allreduce(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col: str = "col",
+              local: int | None = None) -> list:
     """Plan of rank ``(x, y)`` of an ``X x Y`` grid (world rank ``x + X*y``; a side of 1: the 1-D Swing on
     "world") for an all-reduce of ``count`` elements at offset 0: the Swing reduce-scatter and all-gather on
-    the core, folded axes folding in and out at their first step."""
-    g = _grid(x, y, X, Y, row, col)
+    the core, folded axes folding in and out at their first step. ``local``: the axis (0: row, 1: column)
+    inside the nodes, whose steps then run first (``_Grid``); None: the axes in turn."""
+    g = _grid(x, y, X, Y, row, col, local)
     group = _chunk_groups(g, count)
     return _swing_rs(g, group, final=True) + _swing_ag(g, group, lambda a, b: ())
 
 
-def allreduce_latency(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col: str = "col") -> list:
+def allreduce_latency(x: int, y: int, X: int, Y: int, count: int, row: str = "row", col: str = "col",
+                      local: int | None = None) -> list:
     """Plan of rank ``(x, y)`` for Swing's latency-optimal all-reduce (the paper's section 3.1 form): at every
     core step a rank and its peer exchange the whole buffer and both reduce it, ``log2 p`` steps of
     ``count`` elements each (against the bandwidth-optimal form's ``2 log2 p`` steps and ``2(p-1)/p`` of the
@@ -309,7 +325,7 @@ def allreduce_latency(x: int, y: int, X: int, Y: int, count: int, row: str = "ro
     reached after a step are one of that step's groups: every rank reduces the same tree and the results are
     bitwise identical. Folded ranks hand their buffer to their core partner before the core steps (row, then
     column) and get the result back after them (column, then row)."""
-    g = _grid(x, y, X, Y, row, col)
+    g = _grid(x, y, X, Y, row, col, local)
     L = len(g.steps)
     if L == 0:
         return [Step(scale=Scale(0, count))]
@@ -339,18 +355,20 @@ def _own_and_row(g: _Grid, counts, displs):
     return own, folded
 
 
-def reduce_scatter(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col") -> list:
+def reduce_scatter(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col",
+                   local: int | None = None) -> list:
     """Plan of rank ``(x, y)``: block ``w`` (``counts``/``displs`` index world ranks) ends reduced on world
     rank ``w``; the folded ranks' blocks come back in the last steps."""
-    g = _grid(x, y, X, Y, row, col)
+    g = _grid(x, y, X, Y, row, col, local)
     own, folded = _own_and_row(g, counts, displs)
     return _swing_rs(g, _block_groups(g, counts, displs), final=True) + g.fold_out(own, folded)
 
 
-def allgather(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col") -> list:
+def allgather(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col",
+              local: int | None = None) -> list:
     """Plan of rank ``(x, y)``: every rank ends with every block, given that world rank ``w`` holds block
     ``w``; the folded ranks hand theirs in first and get the rest back as their axis unfolds."""
-    g = _grid(x, y, X, Y, row, col)
+    g = _grid(x, y, X, Y, row, col, local)
     own, folded = _own_and_row(g, counts, displs)
 
     def held(a: int, b: int) -> list:

@@ -27,7 +27,9 @@ different α/β); hierarchical all-reduce with intra (αi, βi) and inter (αe, 
 step ``α + (β+γ)M`` at its axis' level, per folded axis ``2α + (2β+γ)M``. Swing all-reduce: per core step
 ``s`` (of ``log2 P``) ``α + (β+γ)M/2**(s+1)`` and ``α + βM/2**(s+1)`` at the level of that step's axis, and a
 folded axis ``α + (β+γ)M/2**j`` in and ``α + βM/2**j`` out at its first step ``j`` (the axes alternate from
-an unfolded one where there is one: ``j = 1`` for a grid with one folded axis, ``j = 0`` on a line).
+an unfolded one where there is one: ``j = 1`` for a grid with one folded axis, ``j = 0`` on a line; where
+the rows are the nodes, ``X = L``, every row step runs first, as TorusComm runs it, and a folded row folds at
+``j = 0``).
 """
 from __future__ import annotations
 
@@ -115,6 +117,8 @@ def time(algorithm: str, collective: str, M: float, alpha: float, beta: float, g
         first = 1 if len(axes) == 2 and axes[0][1] and not axes[1][1] and axes[1][0] else 0
         ks = [k for k, _ in axes]
         order = [a for k in range(max(ks)) for a in ((first, 1 - first) if len(axes) == 2 else (0,)) if k < ks[a]]
+        if len(axes) == 2 and L == X and min(ks) > 0:  # the rows are the nodes: their steps first
+            order = [0] * ks[0] + [1] * ks[1]
         t = 0.0
         for s, a in enumerate(order):
             m = M / 2 ** s  # what each rank holds before step s
