@@ -3,16 +3,16 @@ Short-cutting Rings for Higher Bandwidth Allreduce", arXiv:2401.09356: the peers
 1-D power-of-two case, its bandwidth-optimal reduce-scatter + all-gather, and the multidimensional form that
 visits the dimensions in turn).
 
-Vocabulary. On a line of ``n = 2**L`` ranks, step ``s`` pairs rank ``r`` with ``r + rho(s)`` when ``r`` is
-even and ``r - rho(s)`` when odd (mod ``n``), ``rho(s) = sum_{i=0..s} (-2)**i`` = 1, -1, 3, -5, 11, ...:
-distances that grow as the data halves, so the largest messages travel the shortest distances. On an
-``X x Y`` grid the steps alternate between the row (``x``'s parity and distance) and the column until both
-axes have run their ``log2`` steps; where one axis lies within the nodes (``local``), its steps run first. A *group* ``G(r, s)`` is the set of ranks ``r`` still reaches in steps
-``s, s+1, ...``; the groups of one step partition the ranks, and ``G(r, s)`` is ``G(r, s+1)`` joined with
-``G(peer, s+1)``. Reduce-scatter: at step ``s`` rank ``r`` sends the peer the data of ``G(peer, s+1)`` and
-reduces what the peer sends of ``G(r, s+1)`` (``L`` steps; half, then a quarter ... of the buffer: ``(n-1)/n``
-of it in all). All-gather runs the same steps in reverse order, copying. All-reduce is the two in sequence:
-``2 log2 n`` steps, ``2(n-1)/n`` of the buffer sent per rank, as the ring.
+Vocabulary. On a line of ``n = 2**L`` ranks, step ``s`` pairs rank ``r`` with ``r + rho(s)`` when ``r`` is even and
+``r - rho(s)`` when odd (mod ``n``), ``rho(s) = sum_{i=0..s} (-2)**i`` = 1, -1, 3, -5, 11, ...: distances that grow
+as the data halves, so the largest messages travel the shortest distances. On an ``X x Y`` grid the steps alternate
+between the row (``x``'s parity and distance) and the column until both axes have run their ``log2`` steps; where
+one axis lies within the nodes (``local``), its steps run first. A *group* ``G(r, s)`` is the set of ranks ``r``
+still reaches in steps ``s, s+1, ...``; the groups of one step partition the ranks, and ``G(r, s)`` is ``G(r, s+1)``
+joined with ``G(peer, s+1)``. Reduce-scatter: at step ``s`` rank ``r`` sends the peer the data of ``G(peer, s+1)``
+and reduces what the peer sends of ``G(r, s+1)`` (``L`` steps; half, then a quarter ... of the buffer: ``(n-1)/n``
+of it in all). All-gather runs the same steps in reverse order, copying. All-reduce is the two in sequence: ``2 log2
+n`` steps, ``2(n-1)/n`` of the buffer sent per rank, as the ring.
 
 Layout. A reduce-scatter's and an all-gather's blocks are the caller's (block ``w`` on world rank ``w``), so a
 group's blocks may be several runs of the buffer: one message per run. The all-reduce chooses its own chunk
