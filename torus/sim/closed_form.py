@@ -19,17 +19,16 @@ Steps and bytes:
 - swing_latency (ibid., section 3.1): ``log2 P`` core steps of the whole ``M`` (sent and reduced), per folded
   axis a step in and one out (``swing_latency_bytes``); its reduce-scatter and all-gather are swing's.
 
-Time (α-β-γ, one level unless stated): ring all-reduce ``2(N-1)(α + β·M/N) + (N-1)·γ·M/N``; 2D-torus
-all-reduce ``2(X-1)(α + β·M/X) + (X-1)γM/X + 2(Y-1)(α + β·M/N) + (Y-1)γM/N`` (row and column levels may use
-different α/β); hierarchical all-reduce with intra (αi, βi) and inter (αe, βe) levels:
-``(L-1)(αi + (βi+γ)M/L) + 2(αi + (L-1)βi·M/L) + 2(C-1)(αe + βe·M/C) + (C-1)γM/C + (L-1)(αi + βi·M/L)``
-(the gather and the scatter each push ``L-1`` chunks through the leader's one port). swing_latency: per core
-step ``α + (β+γ)M`` at its axis' level, per folded axis ``2α + (2β+γ)M``. Swing all-reduce: per core step
-``s`` (of ``log2 P``) ``α + (β+γ)M/2**(s+1)`` and ``α + βM/2**(s+1)`` at the level of that step's axis, and a
-folded axis ``α + (β+γ)M/2**j`` in and ``α + βM/2**j`` out at its first step ``j`` (the axes alternate from
-an unfolded one where there is one: ``j = 1`` for a grid with one folded axis, ``j = 0`` on a line; where
-the rows are the nodes, ``X = L``, every row step runs first, as TorusComm runs it, and a folded row folds at
-``j = 0``).
+Time (α-β-γ, one level unless stated): ring all-reduce ``2(N-1)(α + β·M/N) + (N-1)·γ·M/N``; 2D-torus all-reduce
+``2(X-1)(α + β·M/X) + (X-1)γM/X + 2(Y-1)(α + β·M/N) + (Y-1)γM/N`` (row and column levels may use different α/β);
+hierarchical all-reduce with intra (αi, βi) and inter (αe, βe) levels: ``(L-1)(αi + (βi+γ)M/L) + 2(αi + (L-1)βi·M/L)
++ 2(C-1)(αe + βe·M/C) + (C-1)γM/C + (L-1)(αi + βi·M/L)`` (the gather and the scatter each push ``L-1`` chunks
+through the leader's one port). swing_latency: per core step ``α + (β+γ)M`` at its axis' level, per folded axis ``2α
++ (2β+γ)M``. Swing all-reduce: per core step ``s`` (of ``log2 P``) ``α + (β+γ)M/2**(s+1)`` and ``α + βM/2**(s+1)``
+at the level of that step's axis, and a folded axis ``α + (β+γ)M/2**j`` in and ``α + βM/2**j`` out at its first step
+``j`` (the axes alternate from an unfolded one where there is one: ``j = 1`` for a grid with one folded axis, ``j =
+0`` on a line; where the rows are the nodes, ``X = L``, every row step runs first, as TorusComm runs it, and a
+folded row folds at ``j = 0``).
 """
 from __future__ import annotations
 
