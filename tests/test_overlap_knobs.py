@@ -1,5 +1,6 @@
 """The overlap knobs: ``TORUS_OVERLAP`` / ``overlap=`` and ``TORUS_BUCKET_BYTES`` / ``bucket_bytes=`` take the
 spellings a user types and refuse the rest with a message naming the setting (never a silent default)."""
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -71,3 +72,26 @@ def test_bad_bucket_bytes_variable_is_named(monkeypatch, text):
 def test_bad_bucket_bytes_argument(value, error):
     with pytest.raises(error, match=r"rank 3: bucket_bytes="):
         resolve_bucket_bytes(comm(2), value)
+
+
+@pytest.mark.parametrize("threads, nodes, asked, warns", [(1, 2, None, True), (1, 1, True, True),
+                                                         (1, 1, None, False), (1, 2, False, False),
+                                                         (2, 2, None, False), (0, 2, True, False)])
+def test_one_inter_op_thread_warns_once_that_nothing_is_hidden(monkeypatch, threads, nodes, asked, warns):
+    """Overlap on with TensorFlow's inter-op pool at one thread: one warning per process naming the rank and the
+    fix, overlap still on; 0 (TensorFlow's default: one per core) and 2 do not warn, nor overlap off."""
+    import tensorflow as tf
+
+    from torus.integrations.keras.collectives import loop
+    monkeypatch.delenv("TORUS_OVERLAP", raising=False)
+    monkeypatch.setattr(tf.config.threading, "get_inter_op_parallelism_threads", lambda: threads)
+    monkeypatch.setattr(loop, "_warned_inter_op", [])
+    for call in range(2):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            on = resolve_overlap(comm(nodes), asked)
+        said = [str(w.message) for w in seen if "inter-op" in str(w.message)]
+        assert on is (bool(asked if asked is not None else nodes > 1) and threads_ok())
+        assert len(said) == (1 if warns and on and call == 0 else 0), said
+        if said:
+            assert "rank 3" in said[0] and "set_inter_op_parallelism_threads(1)" in said[0] and "2 threads" in said[0]

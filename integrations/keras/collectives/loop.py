@@ -73,6 +73,12 @@ def resolve_overlap(torus_comm, overlap: bool | None) -> bool:
                           f"{MPI.Query_thread()}, below MPI_THREAD_SERIALIZED: the gradient all-reduce cannot run "
                           "on a communication thread, so it runs after backprop (no overlap)", stacklevel=3)
         return False
+    if wanted and tf.config.threading.get_inter_op_parallelism_threads() == 1 and not _warned_inter_op:
+        _warned_inter_op.append(True)
+        warnings.warn(f"TorusStrategy on rank {torus_comm.rank}: overlap is on, but TensorFlow's inter-op pool has "
+                      "one thread (tf.config.threading.set_inter_op_parallelism_threads(1)): a bucket's wait then "
+                      "holds the only thread, so no bucket starts before backprop ends and nothing is hidden. Use 2 "
+                      "threads or more (0, TensorFlow's default, is one per core), or overlap=False", stacklevel=3)
     return bool(wanted)
 
 
@@ -97,6 +103,7 @@ def resolve_bucket_bytes(torus_comm, bucket_bytes: int | None) -> int:
 
 
 _warned: list = []
+_warned_inter_op: list = []
 
 
 class HostAllreduce:
@@ -112,7 +119,8 @@ class HostAllreduce:
     ``TorusComm``'s communication thread while the rest of the graph runs (buckets.py). ``None`` (default):
     ``TORUS_OVERLAP`` (``0``/``1``), else on where the ranks span several nodes. ``bucket_bytes``: ``None``:
     ``TORUS_BUCKET_BYTES``, else ``buckets.BUCKET_BYTES``. Where MPI does not allow a second thread
-    (``MPI.Query_thread()`` below ``THREAD_SERIALIZED``) overlap stays off, with one warning if it was asked for.
+    (``MPI.Query_thread()`` below ``THREAD_SERIALIZED``) overlap stays off, with one warning if it was asked for;
+    with one TensorFlow inter-op thread it stays on (the results are the same) with one warning: it hides nothing.
     Every call of this host, blocking or not, runs after the buckets queued before it
     (``torus.runtime.progress``: one collective at a time per ``TorusComm``). ``timeline``: a
     ``torus.timeline.Timeline`` (or None) that gets a span per all-reduce. ``sparse_as_dense``: where
