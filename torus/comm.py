@@ -175,7 +175,7 @@ class TorusComm:
                 raise
         kind = p.memory
         direct = self._direct.get(algo)
-        if kind == "device" and (direct is not None or phased or not self._on_gpu(p.count * p.dtype.itemsize)):
+        if kind == "device" and (direct is not None or not self._on_gpu(p.count * p.dtype.itemsize)):
             kind = "staged"
         buffers.bind(p, spec, kind, self._buffer, lazy_ok=algo != "native" and pre == 1.0)
         buffers.stage_in(p, spec)
@@ -195,11 +195,10 @@ class TorusComm:
             result = out if spec.output_own else p.work
         else:
             counts = p.count if p.counts is None else tuple(p.counts)
-            if kind == "device":  # one plan: phased calls are staged (above)
-                plan = self._executor.plan(spec.name, algo, self.topology, counts, p.dtype.itemsize)
-                self._executor.run_device(name, plan, p.work, op, scale)
+            phases = self._executor.phases(spec.name, algo, self.topology, counts, p.dtype.itemsize, phased)
+            if kind == "device":
+                self._executor.run_phases_device(name, phases, p.work, op, scale, self.check)
             else:
-                phases = self._executor.phases(spec.name, algo, self.topology, counts, p.dtype.itemsize, phased)
                 self._executor.run_phases(name, phases, p.work, op, scale, p.src if p.lazy else None, self.check)
             result = p.work[p.own] if spec.output_own else p.work
         buffers.stage_out(p, spec, result)

@@ -99,6 +99,35 @@ def test_allreduce(case, staging, dtype, op, mode, rng):
     assert_same_on_all_ranks(got, what)
 
 
+@pytest.mark.parametrize("case", ["torus2d-rpn2", "hierarchical-rpn2", "hierarchical-rpn3"])
+def test_phased_calls_run_their_plans_on_the_device(case, monkeypatch, rng):
+    """Across (emulated) nodes, a phased all-reduce of a device buffer reduced on the GPU runs its plans on the
+    device and only its shared-memory phases through the host mirror, in the phases' order, instead of
+    staging the whole call (a rank alone on its node has no shared-memory phase); the result is the
+    oracle's and the host call's bits."""
+    from torus.runtime import executor
+    from torus.schedules import phases
+
+    tc, algo = comm(case, "gpu")
+    if not tc.shm_phases or phases.node_level("allreduce", algo, tc.topology) is None:
+        pytest.skip("no node-level phase of several ranks in this layout")
+    seen: list = []
+    for cls, name, kind in [(executor._ShmPhase, "run_device", "shm"), (executor.Executor, "run_device", "plan")]:
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *a, real=real, kind=kind, **k: (seen.append(kind), real(*a, **k))[1])
+    x = make(rng, np.float32, "sum", COUNT)
+    host = tc.allreduce(x, algorithm=algo)
+    d = to_device(x)
+    tc.allreduce(torus.IN_PLACE, d, algorithm=algo)
+    got = to_host(d)
+    want = ["shm" if isinstance(ph, executor._ShmPhase) else "plan"
+            for ph in tc._executor.phases("allreduce", algo, tc.topology, COUNT, 4, True)]
+    assert seen == want, (seen, want)
+    assert WORLD.allreduce(want.count("shm")), "no rank ran a shared-memory phase"
+    assert_matches(got, *expected(x, "sum"), f"device phased allreduce({algo})")
+    assert _bits(got) == _bits(host), f"device phased allreduce({algo}): device and host results differ"
+
+
 @pytest.mark.parametrize("staging", STAGING)
 @pytest.mark.parametrize("count", [0, 1, max(SIZE - 1, 0), 1003])
 @pytest.mark.parametrize("case", ["ring", "native", "torus2d-2x2", "torus2d-2x3", "hierarchical-rpn2"])

@@ -1,8 +1,10 @@
 """The runtime of one TorusComm: its communicators by name, its reusable buffers, plan compilation, and the
 runs: host buffers through the C step loop where it is built (torus.runtime.c_step_loop) or the step
-interpreter with ``HostMemory``; GPU buffers through the interpreter with ``DeviceMemory``; host buffers of
-a phased call (torus.schedules.phases) phase after phase, each a plan or a call of a node-level
-shared-memory transport.
+interpreter with ``HostMemory``; GPU buffers through the interpreter with ``DeviceMemory``; a phased call
+(torus.schedules.phases) phase after phase, each a plan or a call of a node-level shared-memory transport.
+On a GPU buffer a phased call's plans run on the device as any plan does, and only its shared-memory phases
+go through the host (the window is host memory): each copies its input region to the pinned mirror, runs
+there and copies its output region back.
 """
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from torus import faults
+from torus.device import bits
 from torus.errors import TimeoutError as TorusTimeout
 from torus.ops import OP_CODE
 from torus.runtime import c_step_loop, interpreter
 from torus.runtime.compile import CompiledPlan, _Message, compile_plan
-from torus.runtime.memory import DeviceMemory, HostMemory, copy_untouched
+from torus.runtime.memory import DeviceMemory, HostMemory, copy_untouched, pinned
 from torus.runtime.shm import SharedMemory
 from torus.schedules import phases as phased
 from torus.schedules.build import build
@@ -29,6 +32,9 @@ class _PlanPhase:
     def run(self, ex, what: str, buf, op: str, scale: float, src, check: bool) -> None:
         ex.run(what, self.plan, buf, op, scale, src, self.keep)
 
+    def run_device(self, ex, what: str, buf, op: str, scale: float, check: bool) -> None:
+        ex.run_device(what, self.plan, buf, op, scale)
+
 
 @dataclass(frozen=True)
 class _ShmPhase:
@@ -40,6 +46,16 @@ class _ShmPhase:
         inp = (buf if src is None else src)[ph.inp[0]:ph.inp[1]]
         self.transport.run(what, ph.collective, inp, buf[ph.out[0]:ph.out[1]], ph.counts, op,
                            scale if ph.final else 1.0, check)
+
+    def run_device(self, ex, what: str, buf, op: str, scale: float, check: bool) -> None:
+        """On device ``buf``: the input region to the pinned mirror, the transport there, the output back."""
+        (ilo, ihi), (olo, ohi) = self.phase.inp, self.phase.out
+        mirror = pinned(ex, "mirror", buf.size * buf.dtype.itemsize).view(buf.dtype)
+        if ihi > ilo:
+            bits(buf)[ilo:ihi].copy_to_host(bits(mirror)[ilo:ihi])
+        self.run(ex, what, mirror, op, scale, None, check)
+        if ohi > olo:
+            bits(buf)[olo:ohi].copy_to_device(bits(mirror)[olo:ohi])
 
 
 class Executor:
@@ -142,6 +158,11 @@ class Executor:
         for phase in phases:
             phase.run(self, what, buf, op, scale, src, check)
             src = None
+
+    def run_phases_device(self, what: str, phases: tuple, buf, op: str, scale: float, check: bool) -> None:
+        """Run ``phases`` in order on ``buf``, a 1-D contiguous numba device array holding the input."""
+        for phase in phases:
+            phase.run_device(self, what, buf, op, scale, check)
 
     def run_device(self, what: str, plan: CompiledPlan, buf, op: str, scale: float) -> None:
         """Execute ``plan`` on ``buf``, a 1-D contiguous numba device array (see ``DeviceMemory``)."""
