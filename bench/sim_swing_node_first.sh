@@ -8,13 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export TORUS_SWING_LATENCY_BYTES=8192  # as bench/sim_swing_scale.sh
 cost="--alpha 1e-6 --beta 2e-11 --gamma 3.3e-12 --ranks-per-node 4 --inter-alpha 5e-6 --inter-beta 8e-11"
-old() {
-    .venv/bin/python -c "import sys; sys.path[:] = [p for p in sys.path if p != '$PWD']; sys.path.insert(0, '$OLD_TREE')
-from torus.sim.cli import main; sys.argv[0] = 'torus-sim'; sys.exit(main())" "$@"
-}
 for ranks in 1088 2176 4096; do
     echo "\$ torus-sim --ranks $ranks --algo ring,torus2d,swing --nbytes 64K,4M,100M $cost"
     .venv/bin/torus-sim --ranks $ranks --algo ring,torus2d,swing --nbytes 64K,4M,100M $cost
     echo "\$ (swing with the axes in turn: $OLD_TREE) torus-sim --ranks $ranks --algo swing --nbytes 64K,4M,100M $cost"
-    old --ranks $ranks --algo swing --nbytes 64K,4M,100M $cost
+    OLD_TREE=$OLD_TREE .venv/bin/python bench/old_tree.py torus-sim --ranks $ranks --algo swing --nbytes 64K,4M,100M $cost
 done

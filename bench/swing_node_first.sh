@@ -10,19 +10,15 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/swing_node_first}; RATES=${2:-"1gbit 4gbit"}; ROUNDS=${ROUNDS:-2}; OLD_TREE=${OLD_TREE:?a worktree}
 mkdir -p "$OUT"
-old=$OUT/old-bench  # torus-bench importing torus from OLD_TREE (the editable install maps torus to this tree)
-printf '#!%s\nimport sys\nsys.path[:] = [p for p in sys.path if p != "%s"]\nsys.path.insert(0, "%s")\nfrom torus.bench.cli import main\nsys.exit(main())\n' \
-  "$PWD/.venv/bin/python" "$PWD" "$OLD_TREE" > "$old"
-chmod +x "$old"
 for rate in $RATES; do
   python -m tests.cluster --name nf up 4 --rate "$rate" --subnet 25 > /dev/null || exit 1
   for cfg in "2 8 --round-robin rr4x2" "4 8 - blk2x4"; do
     set -- $cfg; ppn=$1; n=$2; rr=$3; tag=$4; [ "$rr" = - ] && rr=""
     for round in $(seq "$ROUNDS"); do
       for side in new old; do
-        bench=torus-bench; [ $side = old ] && bench=$old
+        bench=(torus-bench); [ $side = old ] && bench=("$PWD/.venv/bin/python" "$PWD/bench/old_tree.py" torus-bench)
         echo "== $rate $tag $side r$round $(date +%T)"
-        python -m tests.cluster --name nf run --ppn "$ppn" $rr -- -n "$n" "$bench" allreduce -b 1M -e 64M -f 4 \
+        python -m tests.cluster --name nf run --ppn "$ppn" $rr -- -genv OLD_TREE "$OLD_TREE" -n "$n" "${bench[@]}" allreduce -b 1M -e 64M -f 4 \
           -n 5 -w 1 --algo swing,torus2d,ring,native --json "$OUT/${tag}_${rate}_${side}_r$round.json" \
           > "$OUT/${tag}_${rate}_${side}_r$round.txt" 2>&1
         echo "   rc=$?"

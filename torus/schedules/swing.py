@@ -144,11 +144,8 @@ class _Grid:
     def __init__(self, x: int, y: int, X: int, Y: int, comms: tuple, local: int | None = None):
         self.x, self.y, self.X, self.Y, self.comms = x, y, X, Y, comms
         (self.cx, self.ex), (self.cy, self.ey) = _core(X), _core(Y)
-        self.in_turn = local is None or min(self.cx, self.cy) == 1
-        if not self.in_turn:
-            self.first = local
-        else:
-            self.first = 1 if self.ex and not self.ey and self.cy > 1 else 0
+        self.in_turn = local is None  # a grid (not a line): both axes have steps
+        self.first = local if local is not None else 1 if self.ex and not self.ey and self.cy > 1 else 0
         self.steps = _steps(self.cx, self.cy, self.first, self.in_turn)
         self.fold_at = {a: next(i for i, st in enumerate(self.steps) if st[0] == a)
                         for a, e in ((0, self.ex), (1, self.ey)) if e}
@@ -324,7 +321,7 @@ def allreduce_latency(x: int, y: int, X: int, Y: int, count: int, row: str = "ro
     buffer). The steps run in the all-gather's order (the last axis step first), so the ranks a rank has
     reached after a step are one of that step's groups: every rank reduces the same tree and the results are
     bitwise identical. Folded ranks hand their buffer to their core partner before the core steps (row, then
-    column) and get the result back after them (column, then row)."""
+    column) and get the result back after them (column, then row). ``local``: as for ``allreduce``."""
     g = _grid(x, y, X, Y, row, col, local)
     L = len(g.steps)
     if L == 0:
@@ -358,7 +355,7 @@ def _own_and_row(g: _Grid, counts, displs):
 def reduce_scatter(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col",
                    local: int | None = None) -> list:
     """Plan of rank ``(x, y)``: block ``w`` (``counts``/``displs`` index world ranks) ends reduced on world
-    rank ``w``; the folded ranks' blocks come back in the last steps."""
+    rank ``w``; the folded ranks' blocks come back in the last steps. ``local``: as for ``allreduce``."""
     g = _grid(x, y, X, Y, row, col, local)
     own, folded = _own_and_row(g, counts, displs)
     return _swing_rs(g, _block_groups(g, counts, displs), final=True) + g.fold_out(own, folded)
@@ -367,7 +364,8 @@ def reduce_scatter(x: int, y: int, X: int, Y: int, counts, displs, row: str = "r
 def allgather(x: int, y: int, X: int, Y: int, counts, displs, row: str = "row", col: str = "col",
               local: int | None = None) -> list:
     """Plan of rank ``(x, y)``: every rank ends with every block, given that world rank ``w`` holds block
-    ``w``; the folded ranks hand theirs in first and get the rest back as their axis unfolds."""
+    ``w``; the folded ranks hand theirs in first and get the rest back as their axis unfolds. ``local``: as
+    for ``allreduce``."""
     g = _grid(x, y, X, Y, row, col, local)
     own, folded = _own_and_row(g, counts, displs)
 

@@ -116,7 +116,7 @@ def time(algorithm: str, collective: str, M: float, alpha: float, beta: float, g
         first = 1 if len(axes) == 2 and axes[0][1] and not axes[1][1] and axes[1][0] else 0
         ks = [k for k, _ in axes]
         order = [a for k in range(max(ks)) for a in ((first, 1 - first) if len(axes) == 2 else (0,)) if k < ks[a]]
-        if len(axes) == 2 and L == X and min(ks) > 0:  # the rows are the nodes: their steps first
+        if len(axes) == 2 and L == X:  # the rows are the nodes: their steps first
             order = [0] * ks[0] + [1] * ks[1]
         t = 0.0
         for s, a in enumerate(order):
