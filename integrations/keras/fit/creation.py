@@ -21,6 +21,9 @@ never pairs with another collective:
 
 - a rank creates a variable of another shape or dtype than rank 0 at the same point: ``MismatchError`` (a
   ``ValueError``) on every rank, naming the ranks;
+- variables created inside a save (``model.save`` and the other Keras save entry points, ``ModelCheckpoint``,
+  ``BackupAndRestore``: Keras 3.15 builds a reference optimizer there) are rank 0's alone and are created as in
+  one process (``alone.py``);
 - a rank creates a variable the others do not (e.g. ``if rank == 0:`` inside the scope): that rank raises
   ``torus.errors.TimeoutError`` naming the variable after the stall timeout (``TORUS_TIMEOUT``, default 600 s),
   and ``abort_on_exception`` ends the job; the others' next collective times out too. Create rank-local
@@ -39,6 +42,7 @@ import tensorflow as tf
 from torus import faults
 from torus.errors import MismatchError
 from torus.integrations.keras.collectives.loop import gather_records, stall_timeout
+from torus.integrations.keras.fit import alone
 from torus.integrations.keras.fit.initial_state import SEED_SPREAD
 
 _UNSIZED = (tf.string, tf.resource, tf.variant)
@@ -75,7 +79,7 @@ class InitialValues:
         arguments) from: rank 0's, as an eager tensor, or ``kwargs["initial_value"]`` itself where it is not
         broadcast. Collective (nothing at one rank)."""
         initial = kwargs["initial_value"]
-        if self.size == 1:
+        if self.size == 1 or alone.active():  # a save's own variables, on rank 0 alone (alone.py)
             return initial
         value = _eager_value(initial, kwargs.get("dtype"))
         if value is None:

@@ -96,7 +96,8 @@ class AgreedOrder(keras.utils.PyDataset):
             parts = list(source)
             while parts[-1] is None:  # (x, None, None) -> (x,); a None before a given part stays (Keras' rule)
                 parts.pop()
-            self._rows = keras.tree.map_structure(np.asarray, tuple(parts))
+            # lists as tuples, as Keras' array adapter does: tf.data takes no list in an element's structure
+            self._rows = keras.tree.map_structure(np.asarray, keras.tree.lists_to_tuples(tuple(parts)))
             self._count = int(keras.tree.flatten(self._rows)[0].shape[0])
         else:
             self._count = len(source)
@@ -166,7 +167,9 @@ def _is_generator(x) -> bool:
 
 
 def _agreed_seed(strategy) -> int:
-    mine = int(np.random.randint(2 ** 31 - 1)) if strategy.is_chief else None
+    # Drawn on every rank, so numpy's global state moves alike on all of them (drawn on rank 0 alone, the user's
+    # next np.random draw differed per rank); rank 0's draw wins where the states differed before.
+    mine = int(np.random.randint(2 ** 31 - 1))
     return strategy.torus_comm.comm.bcast(mine, root=0)
 
 

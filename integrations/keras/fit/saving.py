@@ -49,6 +49,7 @@ from mpi4py import MPI
 from torus import faults
 from torus.integrations.keras.collectives.loop import stall_timeout
 from torus.integrations.keras.compat import file_utils, io_utils
+from torus.integrations.keras.fit import alone
 from torus.integrations.keras.fit.inputs import torus_strategy_of
 
 # keras.src.saving.saving_api's save_model / save_weights are rebound (compat.install): Model.save / save_weights
@@ -64,10 +65,12 @@ _plain = [0]  # > 0: saves run as plain Keras (inside a coordinated save, or loc
 
 @contextlib.contextmanager
 def local():
-    """Inside the block, saves run as plain Keras on this rank alone (``files.py``'s chief-only callbacks)."""
+    """Inside the block, saves run as plain Keras on this rank alone (``files.py``'s chief-only callbacks), and
+    so does what Keras does inside them: variables created, random draws (``alone.rank_alone``)."""
     _plain[0] += 1
     try:
-        yield
+        with alone.rank_alone():
+            yield
     finally:
         _plain[0] -= 1
 

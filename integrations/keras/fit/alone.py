@@ -1,0 +1,85 @@
+"""Code that one rank runs while the others do not: rank 0 writing a file (``model.save``, ``ModelCheckpoint``,
+``BackupAndRestore``), called on every rank or under ``if strategy.is_chief:``.
+
+Inside :func:`rank_alone`:
+
+- **variables are created as in one process.** Keras creates variables inside a save (Keras 3.15 builds a
+  reference ``Optimizer(1.0)`` to know which attributes to skip), under the user's ``strategy.scope()``. The
+  strategy's variable creator would make each one a collective (rank 0's initial value, ``creation.py``) that
+  the other ranks never join: it waited for the stall timeout, then blamed the user. Here the creator leaves
+  them alone (:func:`active`).
+- **the process' global random states come back as they were**: numpy's (``np.random``), Python's
+  (``random``), TensorFlow's (the eager op-seed counter behind ``tf.random.set_seed``, and
+  ``tf.random.get_global_generator()``) and Keras' global seed generator. A draw made on one rank alone would
+  split them across ranks, and every later draw (the user's next data, a layer's initializer, fit's agreed
+  shuffle seed) would differ per rank; ranks that were equal before stay equal.
+
+Nested blocks are fine; the outermost one restores. Not thread-safe (a save runs on the training thread).
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+from tensorflow.python.eager import context
+from tensorflow.python.ops import stateful_random_ops
+
+_depth = [0]
+_SALT = 0x746F72757321  # the side stream's seed differs from anything the main stream draws
+
+
+def active() -> bool:
+    """True inside :func:`rank_alone`: the variable creator does not broadcast (``creation.py``)."""
+    return _depth[0] > 0
+
+
+def _keras_global_generator():
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+    return global_state, GLOBAL_SEED_GENERATOR
+
+
+def _enter() -> tuple:
+    ctx = context.context()
+    eager = getattr(ctx, "_rng", None)  # set by tf.random.set_seed
+    if eager is not None:
+        # Not saved and restored but set aside: TF caches an eager random kernel per op seed and its state
+        # moves on, so an op seed drawn here and drawn again later would give rank 0 another value there.
+        # Inside, op seeds come from a stream of their own.
+        before = eager.getstate()
+        ctx._rng = random.Random(eager.getrandbits(64) ^ _SALT)
+        eager.setstate(before)
+    tf_generator = stateful_random_ops.global_generator
+    global_state, key = _keras_global_generator()
+    keras_generator = global_state.get_global_attribute(key)
+    return (np.random.get_state(), random.getstate(), eager,
+            tf_generator, None if tf_generator is None else tf_generator.state.numpy(),
+            keras_generator, None if keras_generator is None else keras_generator.state.numpy())
+
+
+def _leave(states: tuple) -> None:
+    numpy_state, python_state, eager, tf_generator, tf_state, keras_generator, keras_state = states
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+    context.context()._rng = eager
+    stateful_random_ops.global_generator = tf_generator  # one made alone is dropped: the others have none
+    if tf_generator is not None:
+        tf_generator.state.assign(tf_state)
+    global_state, key = _keras_global_generator()
+    global_state.set_global_attribute(key, keras_generator)
+    if keras_generator is not None:
+        keras_generator.state.assign(keras_state)
+
+
+@contextlib.contextmanager
+def rank_alone():
+    """The block runs on this rank alone (see the module docstring)."""
+    states = _enter() if _depth[0] == 0 else None
+    _depth[0] += 1
+    try:
+        yield
+    finally:
+        _depth[0] -= 1
+        if states is not None:
+            _leave(states)
