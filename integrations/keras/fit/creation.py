@@ -21,16 +21,14 @@ never pairs with another collective:
 
 - a rank creates a variable of another shape or dtype than rank 0 at the same point: ``MismatchError`` (a
   ``ValueError``) on every rank, naming the ranks;
-- variables created inside a save (``model.save`` and the other Keras save entry points, ``ModelCheckpoint``,
-  ``BackupAndRestore``: Keras 3.15 builds a reference optimizer there) are rank 0's alone and are created as in
-  one process (``alone.py``);
+- variables created inside a save (Keras 3.15 builds a reference optimizer there) are rank 0's alone and are
+  created as in one process (``alone.py``);
 - a rank creates a variable the others do not (e.g. ``if rank == 0:`` inside the scope): that rank raises
   ``torus.errors.TimeoutError`` naming the variable after the stall timeout (``TORUS_TIMEOUT``, default 600 s),
   and ``abort_on_exception`` ends the job; the others' next collective times out too. Create rank-local
   variables outside the scope.
 
-What is not broadcast, Keras' seed generator states and the cost: docs/design.md ("Initial values at
-creation").
+What is not broadcast, seed generator states, the cost: docs/design.md ("Initial values at creation").
 """
 from __future__ import annotations
 
