@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import keras
 import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 from sklearn.datasets import load_digits
 
-import keras
 from torus.integrations.keras import TorusStrategy
 from torus.integrations.keras.fit import fit_hook
 

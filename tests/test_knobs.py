@@ -34,7 +34,7 @@ def _uses(path: Path):
     through = set()
     for n in ast.walk(tree):
         if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args
-                and n.func.attr in ("read", "is_set", "override")
+                and n.func.attr in ("read", "is_set", "override", "setting")
                 and isinstance(n.func.value, ast.Name) and n.func.value.id == "knobs"):
             through.add(id(n.args[0]))
     for n in ast.walk(tree):

@@ -7,7 +7,8 @@ runs the same command line.
 - A failure that every rank reaches at the same point (a bad grid, an unreadable data folder) is gathered into
   one line naming the failing ranks, printed by rank 0 (:func:`agree`, :class:`JobError`).
 - A failure on some ranks only, in the middle of the run, is one line from each failing rank, then
-  ``MPI_Abort`` ends the job (:func:`abort_on_error`); ``--debug`` adds the tracebacks.
+  ``MPI_Abort`` ends the job (:func:`abort_on_error`; a stall timeout, a lost peer, with
+  ``faults.PEER_LOST_EXIT`` so that torus-run relaunches); ``--debug`` adds the tracebacks.
 """
 from __future__ import annotations
 
@@ -154,7 +155,10 @@ def abort_on_error(comm, prog: str, debug: bool = False) -> None:
         sys.stderr.flush()
         if comm.Get_size() > 1:
             time.sleep(0.5)  # let the launcher forward the line before Abort tears the job down
-            comm.Abort(130 if issubclass(exc_type, KeyboardInterrupt) else FAILED)
+            from torus import faults
+            if issubclass(exc_type, KeyboardInterrupt):
+                comm.Abort(130)
+            comm.Abort(faults.PEER_LOST_EXIT if faults.peer_lost(exc_type, exc) else FAILED)  # torus-run relaunches
 
     sys.excepthook = hook
 

@@ -6,7 +6,9 @@ the job hangs. This module closes that gap:
 
 - :func:`abort_on_exception` (opt-in; torus-train installs it) turns an uncaught exception on any rank into
   :func:`abort`: ``MPI_Abort``, with a watchdog (``SIGALRM`` after ``TORUS_ABORT_TIMEOUT`` seconds) for the case
-  where ``MPI_Abort`` returns, as it does on a host cut off from ``mpiexec``.
+  where ``MPI_Abort`` returns, as it does on a host cut off from ``mpiexec``. A stall timeout (a peer died, was
+  cut off or is stuck) aborts with :data:`PEER_LOST_EXIT` instead of the given status, so that a supervisor
+  (torus-run, torus/supervise/) can tell a lost peer, worth a relaunch, from an error of the program.
 - :func:`at_exit` marks, at Python's exit, in every shared-memory window this process has open, that it has
   left; a survivor on the same node waiting on it raises :class:`torus.errors.TimeoutError` naming it (over
   shared memory at once, in :func:`wait` after ``LEFT_GRACE_S``).
@@ -35,6 +37,11 @@ from torus.errors import TimeoutError as TorusTimeout
 
 # Seconds between an uncaught exception's report and MPI_Abort, so the launcher forwards the report first.
 ABORT_GRACE_S = 0.5
+# abort_on_exception's status for an uncaught stall timeout (sysexits' EX_TEMPFAIL: try again): a peer died, was
+# cut off or is stuck, so the job may succeed when relaunched. torus-run relaunches on it (torus/supervise/).
+PEER_LOST_EXIT = 75
+# In a stall timeout's message when the peer's Python exited (it left on purpose: a relaunch would repeat it).
+_PYTHON_EXITED = "left the job (Python exited there)"
 EXIT_AFTER_STALL = 3  # the watchdog at exit after a stall: this many abort timeouts
 _stalled = False  # set when this process raised a stall timeout: its communicators may never finish
 # A wait that has run this long while a peer's Python has exited raises: that peer cannot take part in a
@@ -72,7 +79,7 @@ def wait(req: MPI.Request, timeout: float | None, message) -> None:
             left = next((who for who in (p() for p in list(_left_probes.values())) if who), "")
             if left and now - start > LEFT_GRACE_S:
                 _stall()
-                raise TorusTimeout(f"{message().split(': ', 1)[0]}: {left} left the job (Python exited there) "
+                raise TorusTimeout(f"{message().split(': ', 1)[0]}: {left} {_PYTHON_EXITED} "
                                    f"while this rank waits ({now - start:.1f} s into this wait): every "
                                    "rank must make the same collective calls (under TorusStrategy, fit, "
                                    "evaluate and predict too: call them on every rank, not on rank 0 alone)")
@@ -164,13 +171,30 @@ def reason(exc_type, exc) -> tuple[str, str]:
     return exc_type.__name__, str(exc)
 
 
+def peer_lost(exc_type, exc) -> bool:
+    """Whether an uncaught exception is a stall timeout (:class:`torus.errors.TimeoutError`, also inside a
+    TensorFlow op) that a relaunch may cure: not one naming a peer whose Python exited, which left on purpose."""
+    if issubclass(exc_type, TorusTimeout):
+        text = str(exc)
+    elif exc_type.__module__.startswith("tensorflow"):
+        found = _WRAPPED.search(str(exc))
+        if not (found and found.group(0).startswith("torus.errors.TimeoutError: ")):
+            return False
+        text = found.group(2)
+    else:
+        return False
+    return _PYTHON_EXITED not in text
+
+
 def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
     """Make an uncaught exception on this rank print its traceback and call ``comm.Abort(status)``.
 
     Call it on every rank at start-up (``comm`` defaults to ``MPI.COMM_WORLD``). Without it, an uncaught
     exception on one rank leaves the job hanging (see the module docstring). The previous ``sys.excepthook``
-    still prints the traceback, prefixed by ``[rank r]``; ``KeyboardInterrupt`` aborts with status 130. Only the
-    main thread's exceptions end the job: an exception in another thread does not end a Python process either.
+    still prints the traceback, prefixed by ``[rank r]``; ``KeyboardInterrupt`` aborts with status 130, and a
+    stall timeout (:func:`peer_lost`: a peer died, was cut off or is stuck) with :data:`PEER_LOST_EXIT` (75).
+    Only the main thread's exceptions end the job: an exception in another thread does not end a Python process
+    either.
     Calling it again replaces the earlier hook instead of stacking one on another. The process ends even when
     ``MPI_Abort`` cannot end it (see :func:`abort`)."""
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -187,7 +211,8 @@ def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
         sys.stderr.flush()
         # Give the launcher's output forwarding a moment to drain before Abort tears the job down.
         time.sleep(ABORT_GRACE_S)
-        abort(comm, 130 if issubclass(exc_type, KeyboardInterrupt) else status)
+        interrupted = issubclass(exc_type, KeyboardInterrupt)
+        abort(comm, 130 if interrupted else PEER_LOST_EXIT if peer_lost(exc_type, exc) else status)
 
     hook.torus_previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -69,6 +69,20 @@ KNOBS: dict[str, Knob] = {
                                "(unset: 25 MiB)"),
     "TORUS_CACHE": Knob("", "str", "folder of torus-train's digits data set (unset: ~/.cache/torus)"),
     "TORUS_CHECKPOINT_SLEEP": Knob("", "str", "tests only: `SECONDS@EPOCH` pauses a checkpoint write halfway"),
+    # snapshots for recovery (torus/snapshot)
+    "TORUS_SNAPSHOT_DIR": Knob("", "str", "folder of the recovery snapshots, one subfolder per job; storage local "
+                               "to the node (unset: ~/.cache/torus/snapshots)"),
+    "TORUS_SNAPSHOT_STEPS": Knob(500, "int", "snapshot every this many steps or `TORUS_SNAPSHOT_SECONDS`, "
+                                 "whichever comes first (0: no step trigger); why these defaults: "
+                                 "torus/snapshot/cadence.py"),
+    "TORUS_SNAPSHOT_SECONDS": Knob(60.0, "float", "snapshot every this many seconds or `TORUS_SNAPSHOT_STEPS`, "
+                                   "whichever comes first (0: no time trigger)"),
+    # set by torus-run for the ranks of each launch (torus/supervise/); set by hand to resume under plain mpiexec
+    "TORUS_JOB_ID": Knob("", "str", "the job's id: snapshots are taken and resumed under it (unset: no "
+                         "snapshots; torus-run sets one per run)"),
+    "TORUS_RESTART": Knob(0, "int", "which launch of the job this is: 0, then 1, 2, ... after each relaunch"),
+    "TORUS_RUN_PROGRESS": Knob(False, "flag", "rank 0 prints torus-run's progress marker (`torus-run: at step S`, "
+                               "on stderr) while `fit` trains"),
     # labels of benchmark reports (set by `python -m tests.cluster`'s mpiexec line; torus/bench/report.py)
     "TORUS_CLUSTER_HOSTS": Knob(0, "int", "benchmark label: the number of hosts (0: not on a labelled cluster)"),
     "TORUS_CLUSTER_PPN": Knob(0, "int", "benchmark label: ranks per host"),
@@ -114,6 +128,13 @@ def override(name: str, value: str) -> None:
     """Set knob ``name`` for this process and the processes it starts (as ``export`` would)."""
     KNOBS[name]
     os.environ[name] = value
+
+
+def setting(name: str, value) -> tuple[str, str]:
+    """``(name, str(value))`` for a child process' environment (torus-run's launches); KeyError for a name not in
+    KNOBS."""
+    KNOBS[name]
+    return name, str(value)
 
 
 def markdown() -> str:

@@ -25,7 +25,7 @@ import contextlib
 import tensorflow as tf
 from mpi4py import MPI
 
-from torus import TorusComm, agreement, faults
+from torus import TorusComm, agreement, faults, knobs
 from torus.errors import MismatchError
 from torus.integrations.keras import compat
 from torus.integrations.keras.collectives import trace
@@ -36,7 +36,7 @@ from torus.integrations.keras.collectives.loop import (
     wait_for_every_rank,
 )
 from torus.integrations.keras.collectives.sparse import reduce_gradients
-from torus.integrations.keras.fit import fit_hook, inputs, saving
+from torus.integrations.keras.fit import fit_hook, inputs, saving, snapshots
 from torus.integrations.keras.fit.creation import InitialValues
 from torus.select import ALGORITHMS
 
@@ -188,6 +188,10 @@ class TorusStrategy(tf.distribute.Strategy):
         The bucket cap in bytes (default ``TORUS_BUCKET_BYTES``, else 25 MiB; the first bucket at most 1 MiB).
     sparse_as_dense : bool
         False (default): sparse gradients are all-gathered as IndexedSlices; True: made dense and summed.
+    snapshot_steps, snapshot_seconds : int, float, optional
+        Where the job has an id (``TORUS_JOB_ID``, set by ``torus-run``): a snapshot of the training state
+        every this many steps or seconds, whichever comes first (default ``TORUS_SNAPSHOT_STEPS``,
+        ``TORUS_SNAPSHOT_SECONDS``; 0 turns one off), and ``fit`` resumes from the newest (``fit/snapshots.py``).
 
     ``strategy.timeline`` records a Chrome trace where ``TORUS_TIMELINE=FILE`` is set, else None. Collective:
     every rank constructs it together. Raises ``ValueError`` for an unknown algorithm or compression.
@@ -195,7 +199,8 @@ class TorusStrategy(tf.distribute.Strategy):
 
     def __init__(self, dims=None, algorithm: str = "auto", compression: str = "none", comm=None,
                  device: str = "/cpu:0", abort_on_exception: bool = True, overlap: bool | None = None,
-                 bucket_bytes: int | None = None, sparse_as_dense: bool = False):
+                 bucket_bytes: int | None = None, sparse_as_dense: bool = False, snapshot_steps: int | None = None,
+                 snapshot_seconds: float | None = None):
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"TorusStrategy: unknown algorithm {algorithm!r}; expected auto or one of "
                              f"{', '.join(ALGORITHMS)}")
@@ -207,7 +212,9 @@ class TorusStrategy(tf.distribute.Strategy):
         self.host = HostAllreduce(torus_comm, algorithm, compression, overlap=overlap, bucket_bytes=bucket_bytes,
                                   sparse_as_dense=sparse_as_dense)
         _agree_settings(torus_comm, {"overlap": self.host.overlap, "algorithm": algorithm,
-                                     "compression": compression, "sparse_as_dense": sparse_as_dense})
+                                     "compression": compression, "sparse_as_dense": sparse_as_dense,
+                                     "job id": knobs.read("TORUS_JOB_ID")})
+        self.snapshots = snapshots.Session.create(torus_comm, snapshot_steps, snapshot_seconds)
         # With overlap, the replica context's collectives (SyncBN's moments, strategy.reduce inside run) and the
         # metric all-reduce get a TorusComm of their own, run inline on TensorFlow's thread beside the buckets
         # on the communication thread (which needs MPI_THREAD_MULTIPLE): then the bucket starts need not come

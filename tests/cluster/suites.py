@@ -1,7 +1,7 @@
-"""The cluster suites: the emulated cluster itself, the collective suites of tests/mpi (and the gradient
-buckets of overlap) run across emulated hosts, node detection, faults across hosts and torus-train with
---resume across hosts (``python -m tests.cluster test``; ``--quick``: the cluster, node detection and faults
-only).
+"""The cluster suites: the emulated cluster itself and torus-run across it (on clusters of their own), the
+collective suites of tests/mpi (and the gradient buckets of overlap) run across emulated hosts, node detection,
+faults across hosts and torus-train with --resume across hosts (``python -m tests.cluster test``; ``--quick``:
+the cluster, torus-run, node detection and faults only).
 
 Layouts: 2 hosts x 2 ranks (links shaped to 2 Gbit/s with tc tbf; rows of torus2d-2x2 inside hosts, columns
 across them, 1xN and Nx1 grids across them; hierarchical-nodes on the real nodes; then the same hosts with
@@ -101,7 +101,8 @@ def _main(quick: bool, tmp: Path) -> int:
     common = ["-m", "pytest", "-p", "no:cacheprovider", "-o", "timeout_method=thread"]
     t0 = time.monotonic()
     xml = tmp / "unit.xml"
-    tally.run("cluster", [py, *common, "tests/cluster/cluster_unit.py", f"--junitxml={xml}"], xml, child_env())
+    tally.run("cluster", [py, *common, "tests/cluster/cluster_unit.py", "tests/cluster/cluster_supervise.py",
+                          f"--junitxml={xml}"], xml, child_env())
     for hosts, ppn, rate in LAYOUTS:
         layout = f"{hosts}x{ppn}"
         with Cluster(hosts, rate, NAME, SUBNET) as cluster:

@@ -103,6 +103,10 @@ class AgreedOrder(keras.utils.PyDataset):
             self._count = len(source)
         self._cached = (None, None)
 
+    def reseed(self, seed: int) -> None:
+        """Serve every epoch from now on in ``seed``'s order (a resumed run takes its snapshot's seed)."""
+        self.seed, self._cached = seed, (None, None)
+
     def _order(self) -> np.ndarray:
         epoch = self.clock["epoch"]
         if self._cached[0] != epoch:

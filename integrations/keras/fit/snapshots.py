@@ -1,0 +1,198 @@
+"""Snapshots of the training state inside ``fit``, and resume from the newest one at the next global batch
+(issue 42; the files, the store and the agreement are ``torus.snapshot``'s).
+
+On when the job has an id: ``TORUS_JOB_ID`` (``torus-run`` sets it, one per run of the supervisor; set it by
+hand under a plain ``mpiexec`` to resume a job of that id). Off otherwise: a plain run starts fresh.
+
+- **Taking.** After a training step, when ``Cadence`` says one is due (``TORUS_SNAPSHOT_STEPS`` /
+  ``TORUS_SNAPSHOT_SECONDS``, or ``TorusStrategy(snapshot_steps=, snapshot_seconds=)``), one rank per node
+  copies the model's and the optimizer's variables to host memory and hands them to its ``SnapshotStore``,
+  whose thread writes them (node-local storage: every surviving host holds a recent copy). With them: which
+  ``fit`` of the process (its index), the epoch, the batches done in it, the global batch and the agreed
+  shuffle seed. No collective: the step does not wait.
+- **Resuming.** At the first ``fit`` of the process, after the initial broadcast (``on_train_begin``), the
+  ranks agree on the newest complete snapshot any of them holds for this job and model (``agree_newest``,
+  one collective). Earlier ``fit`` calls of the script run no epoch; the snapshot's own ``fit`` assigns the
+  variables, starts at its epoch, and passes over the batches already done in it (read from the data, not
+  trained on), so training continues at the next global batch, in the same order: the shuffle seed comes
+  from the snapshot, and the rank count may differ (the global batch may not).
+
+What is not in a snapshot, and so not exact after a resume: the metric states of the resumed epoch (its
+logged training metrics cover the batches after the restart), a ``tf.data`` dataset whose order depends on how
+many times this process iterated it (``shuffle(reshuffle_each_iteration=True)``), per-rank random layers and
+BatchNormalization's per-rank statistics (rank 0's are restored). Custom loops are not covered.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import zlib
+
+import keras
+import numpy as np
+
+from torus import knobs, snapshot
+from torus.integrations.keras.collectives.loop import stall_timeout
+from torus.integrations.keras.fit import inputs
+from torus.integrations.keras.fit.inputs import torus_strategy_of
+
+PROGRESS_EVERY_S = 0.2  # torus-run's steps redone trail the failure by at most this
+
+
+def model_key(variables) -> str:
+    """The model key of a snapshot: a digest of the variables' count, shapes and dtypes, in order."""
+    layout = repr([(tuple(v.shape), str(v.dtype)) for v in variables]).encode()
+    return f"{len(variables)}-{zlib.crc32(layout):08x}"
+
+
+def state_variables(model) -> list:
+    """What a snapshot holds: the model's variables (weights, non-trainable state, seed states), then the
+    optimizer's (iterations, learning rate, slots)."""
+    optimizer = getattr(model, "optimizer", None)
+    return list(model.variables) + list(optimizer.variables if optimizer is not None else [])
+
+
+class Session:
+    """One process' snapshots under one ``TorusStrategy`` (``strategy.snapshots``; None where off). Collective
+    to create (the node's writer is chosen by a split of the communicator)."""
+
+    def __init__(self, torus_comm, job_id: str, steps: int | None, seconds: float | None):
+        self.torus_comm, self.job_id = torus_comm, job_id
+        self.cadence = snapshot.Cadence(steps, seconds)
+        self.writer = snapshot.node_writer(torus_comm)  # its own node layout: no message
+        self.restart = knobs.read("TORUS_RESTART")
+        # torus-run's progress marker, on rank 0: a whole line in one write, on stderr (Keras' progress bar
+        # holds stdout's line open), at most every PROGRESS_EVERY_S
+        self.progress = torus_comm.rank == 0 and knobs.read("TORUS_RUN_PROGRESS")
+        self._reported = 0.0
+        self.fits = 0  # fit calls of this process so far
+        self.agreed = False
+        self.target: tuple | None = None  # (step, arrays, meta) to resume from, once agreed
+        self._stores: dict = {}
+
+    @classmethod
+    def create(cls, torus_comm, steps: int | None = None, seconds: float | None = None):
+        job_id = knobs.read("TORUS_JOB_ID")
+        return cls(torus_comm, job_id, steps, seconds) if job_id else None
+
+    def store(self, key: str):
+        if key not in self._stores:
+            self._stores[key] = snapshot.SnapshotStore(None, self.job_id, key)
+        return self._stores[key]
+
+    def report_progress(self, step: int) -> None:
+        if self.progress and time.monotonic() - self._reported >= PROGRESS_EVERY_S:
+            self._reported = time.monotonic()
+            sys.stderr.write(f"torus-run: at step {step}\n")
+            sys.stderr.flush()
+
+    def agree(self, model) -> None:
+        """Once per process, at its first fit (collective): the snapshot to resume from, or none."""
+        if self.agreed:
+            return
+        self.agreed = True
+        store = self.store(model_key(state_variables(model)))
+        self.target = snapshot.agree_newest(self.torus_comm.comm, store, stall_timeout(self.torus_comm))
+
+
+class SnapshotCallback(keras.callbacks.Callback):
+    """Takes snapshots after steps and resumes from one at ``on_train_begin`` (the module docstring)."""
+
+    def __init__(self, session: Session, order, global_batch: int | None):
+        super().__init__()
+        self.session, self.order, self.global_batch = session, order, global_batch
+        self.index = session.fits
+        session.fits += 1
+        self.epoch, self.skip, self._original_step = 0, 0, None
+
+    def on_train_begin(self, logs=None):
+        session, model = self.session, self.model
+        session.agree(model)
+        if session.target is None:
+            return
+        step, arrays, meta = session.target
+        if meta["fit"] > self.index:  # a fit the snapshot's run had finished: no epoch runs
+            model._initial_epoch = self.params["epochs"]
+            return
+        if meta["fit"] < self.index:
+            return
+        session.target = None  # consumed
+        self._restore(step, arrays, meta)
+
+    def _restore(self, step: int, arrays: dict, meta: dict) -> None:
+        model, rank = self.model, self.session.torus_comm.rank
+        variables = state_variables(model)
+        if len(arrays) != len(variables):
+            raise ValueError(f"TorusStrategy fit on rank {rank}: the snapshot of step {step} holds {len(arrays)} "
+                             f"variables, this model and optimizer {len(variables)}")
+        if meta["global_batch"] != self.global_batch:
+            raise ValueError(f"TorusStrategy fit on rank {rank}: resuming the snapshot of step {step} needs the "
+                             f"global batch it was taken with, batch_size={meta['global_batch']}, not "
+                             f"{self.global_batch}: pass the global batch, not a per-rank one times the ranks")
+        for k, v in enumerate(variables):
+            v.assign(arrays[str(k)])
+        if self.order is not None and meta["seed"] is not None:
+            self.order.reseed(meta["seed"])
+        epoch, done = meta["epoch"], meta["batch"]
+        model._initial_epoch = epoch
+        self.skip = done
+        if done:
+            self._original_step = model.train_function
+            model.train_function = self._pass_over
+        if rank == 0:  # the line torus-run reads (steps redone: the last progress marker less this step)
+            print(f"torus-run: resumed at step {step} (fit {self.index}, epoch {epoch + 1}, {done} batches of it "
+                  f"done; restart {self.session.restart}, {self.session.torus_comm.size} ranks)",
+                  file=sys.stderr, flush=True)
+
+    def _pass_over(self, iterator):
+        """A step already trained before the restart: its batches are read (the data goes on in order), not
+        trained on; the real step comes back once they are passed."""
+        for _ in range(self.model.steps_per_execution):
+            next(iterator)
+        self.skip -= self.model.steps_per_execution
+        if self.skip <= 0:
+            self.model.train_function = self._original_step
+        return {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        session = self.session
+        if self.skip > 0 or not (session.writer or session.progress):
+            return
+        step = int(self.model.optimizer.iterations.numpy())
+        session.report_progress(step)
+        if not session.writer:
+            return
+        if not session.cadence.due(step):
+            return
+        variables = state_variables(self.model)
+        arrays = {str(k): np.array(v.numpy()) for k, v in enumerate(variables)}
+        epoch, done = self.epoch, batch + 1
+        if done == self.params.get("steps"):
+            epoch, done = epoch + 1, 0
+        meta = {"fit": self.index, "epoch": epoch, "batch": done, "global_batch": self.global_batch,
+                "seed": None if self.order is None else self.order.seed, "ranks": session.torus_comm.size,
+                "restart": session.restart}
+        session.store(model_key(variables)).save_async(step, arrays, meta)
+        session.cadence.taken(step)
+
+    def on_train_end(self, logs=None):
+        self.model._initial_epoch = None
+        if self._original_step is not None:
+            self.model.train_function = self._original_step
+
+
+def add_snapshots(call) -> None:
+    """fit_hook stage "callbacks" of ``fit``: the snapshot callback, after the initial-state broadcast."""
+    from torus.integrations.keras.fit.fit_hook import add_callback
+
+    strategy = torus_strategy_of(call.arguments["self"])
+    session = getattr(strategy, "snapshots", None)
+    if call.method != "fit" or session is None:
+        return
+    x = call.arguments["x"]
+    order = x if isinstance(x, inputs.AgreedOrder) else None
+    global_batch = order.batch_size if order is not None else call.arguments.get("batch_size")
+    add_callback(call, SnapshotCallback, session, order, global_batch)

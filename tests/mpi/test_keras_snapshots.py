@@ -1,0 +1,127 @@
+"""Snapshots inside ``fit`` and the resume from them (fit/snapshots.py, issue 42), as a user's script meets them:
+the job has an id (``TORUS_JOB_ID``, which torus-run sets), training stops part-way on every rank (a lost rank
+ends the job; here an exception on every rank stands for it, the snapshots already on disk), and the job runs
+again on one rank fewer (K -> K - 1; 1 -> 1 at one rank), from the top of the script.
+
+The oracle: the same script run to the end without a stop, on all K ranks (weights within float rounding:
+the rank count changes the order of the gradient sum) and, for the skipped and resumed fits, the step count
+and the batches trained. Runs at 1 to 4 ranks.
+"""
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+if MPI.COMM_WORLD.Get_size() > 4:
+    pytest.skip("the snapshot tests run at 1 to 4 ranks", allow_module_level=True)
+
+tf = pytest.importorskip("tensorflow")
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+import keras  # noqa: E402
+
+import torus  # noqa: E402
+from torus.integrations.keras import TorusStrategy  # noqa: E402
+
+B, ROWS, EPOCHS = 24, 240, 3  # 10 steps per epoch; B splits over 1, 2, 3 and 4 ranks
+
+
+class Stop(Exception):
+    pass
+
+
+class StopAt(keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.step:
+            raise Stop(f"stopped at step {self.step}")
+
+
+@pytest.fixture
+def job(world, monkeypatch):
+    """A fresh job id and snapshot folder (rank 0's, shared: one host)."""
+    folder = world.bcast(tempfile.mkdtemp(prefix="torus-snap-") if world.rank == 0 else None)
+    monkeypatch.setenv("TORUS_SNAPSHOT_DIR", folder)
+    monkeypatch.setenv("TORUS_JOB_ID", "job")
+    yield folder
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def data():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((ROWS, 8)).astype("float32")
+    return x, (x[:, :3].sum(axis=1) > 0).astype("int32")
+
+
+def script(comm, callbacks=(), fits=1, batch_size=B, every=4):
+    """The user's script: a model built under the scope, then ``fits`` fit calls of EPOCHS epochs each. A
+    snapshot every ``every`` steps from the first step on (steps 1 + k * every)."""
+    strategy = TorusStrategy(comm=torus.TorusComm(comm, timeout=60), snapshot_steps=every, snapshot_seconds=0)
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(2)])
+        model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False)
+    x, y = data()
+    epochs_run = []
+    for _ in range(fits):
+        history = model.fit(x, y, batch_size=batch_size, epochs=EPOCHS, verbose=0, callbacks=list(callbacks))
+        epochs_run.append(len(history.history.get("loss", [])))
+    strategy.snapshots.store(next(iter(strategy.snapshots._stores))).wait()
+    return model, epochs_run
+
+
+def survivors(world):
+    """The ranks of the relaunch: all but the last (all at one rank)."""
+    keep = world.rank < max(world.size - 1, 1)
+    return world.Split(0 if keep else MPI.UNDEFINED, world.rank), keep
+
+
+# A user callback runs before the snapshot's, so the stop at a due step comes before that step's snapshot.
+@pytest.mark.parametrize("every, stop_at", [(4, 13), (4, 22), (3, 11)])  # snapshots at 9 and 21 (mid-epoch), 10
+def test_resume_on_fewer_ranks_equals_the_run_that_lost_nothing(world, job, monkeypatch, every, stop_at):
+    monkeypatch.setenv("TORUS_JOB_ID", "reference")
+    reference, _ = script(world)
+    want = reference.get_weights()
+    monkeypatch.setenv("TORUS_JOB_ID", "lossy")
+    with pytest.raises(Stop):
+        script(world, [StopAt(stop_at)], every=every)
+    snapped = max(s for s in range(1, stop_at, every))  # the newest snapshot
+    comm, keep = survivors(world)
+    if keep:
+        monkeypatch.setenv("TORUS_RESTART", "1")
+        model, epochs_run = script(comm, every=every)
+        assert int(model.optimizer.iterations.numpy()) == EPOCHS * ROWS // B
+        assert epochs_run == [EPOCHS - snapped // (ROWS // B)]  # from the snapshot's epoch on
+        for got, expected in zip(model.get_weights(), want):
+            np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+        comm.Free()
+    world.Barrier()
+
+
+def test_earlier_fits_are_passed_over(world, job, monkeypatch):
+    monkeypatch.setenv("TORUS_JOB_ID", "reference")
+    reference, _ = script(world, fits=2)
+    monkeypatch.setenv("TORUS_JOB_ID", "lossy")
+    with pytest.raises(Stop):
+        script(world, [StopAt(EPOCHS * ROWS // B + 6)], fits=2)  # in the second fit
+    monkeypatch.setenv("TORUS_RESTART", "1")
+    model, epochs_run = script(world, fits=2)
+    assert epochs_run == [0, EPOCHS]
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+
+
+def test_another_global_batch_is_refused(world, job):
+    with pytest.raises(Stop):
+        script(world, [StopAt(6)])
+    with pytest.raises(ValueError, match="batch_size=24"):
+        script(world, batch_size=2 * B)
