@@ -292,6 +292,7 @@ def test_refusal_names_a_fix_for_both(world, strategy):
         model.fit(x, y, batch_size=13, shuffle=False, verbose=0)
     batch, keep = 13 - 13 % size, 101 - 101 % size
     assert f"e.g. batch_size={batch} and the first {keep} training rows" in str(caught.value), caught.value
+    assert "rank counts that split it evenly: 1." in str(caught.value)  # 13 and the last 101 % 13 = 10 rows
     model.fit(x[:keep], y[:keep], batch_size=batch, shuffle=False, verbose=0)
     ref = build()
     plain("fit")(ref, x[:keep], y[:keep], batch_size=batch, shuffle=False, verbose=0)

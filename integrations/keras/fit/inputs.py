@@ -205,6 +205,8 @@ def _check_even(strategy, rows: int, batch_size: int, validation_split: float = 
     else:
         fix = f"e.g. batch_size={batch} and the first {keep} training rows{training} (x[:{keep}], y and " \
               "sample_weight alike)"
+    counts = [r for r in range(1, 1 + max(size, 8) * 4) if not batch_size % r and not last % r]
+    what.append(f"rank counts that split it evenly: {', '.join(map(str, counts))}")
     raise ValueError(f"TorusStrategy fit on rank {strategy.rank}: {'; '.join(what)}. batch_size is the global "
                      "batch and every rank needs an equal share of every batch, the last one too, for the result "
                      "to equal one process' (Keras scales each rank's loss by 1/ranks): batch_size and the number "
