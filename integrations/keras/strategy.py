@@ -277,6 +277,23 @@ class TorusStrategy(tf.distribute.Strategy):
         ``loop.broadcast_variables``."""
         broadcast_variables(self.torus_comm, variables, root)
 
+    def resume(self, variables) -> dict | None:
+        """Custom loops, once before the first step: where the job has an id (``TORUS_JOB_ID``, set by
+        torus-run), assign the newest snapshot any rank holds of this job and of these ``variables`` (the
+        model's and the optimizer's, the same list ``snapshot`` gets: build the optimizer first) and return its
+        meta dict, with ``"step"`` the global step it was taken after; None where there is none or snapshots
+        are off. Collective. The loop then continues at ``step`` (its data position is the loop's: put what it
+        needs in ``snapshot``'s meta)."""
+        return None if self.snapshots is None else self.snapshots.resume(list(variables))
+
+    def snapshot(self, variables, step: int, **meta) -> None:
+        """Custom loops, after every step: a snapshot of ``variables`` after global step ``step`` (int), with
+        ``meta`` (JSON values: epoch, batch, seed...), when one is due (``snapshot_steps`` /
+        ``snapshot_seconds``), written in the background by one rank per node. Not collective, and nothing
+        where snapshots are off."""
+        if self.snapshots is not None:
+            self.snapshots.take(list(variables), int(step), meta)
+
     def average_logs(self, model, logs: dict) -> dict:
         """Returns ``logs`` unchanged: ``evaluate`` under the strategy returns global values already (kept for
         existing code that called it after ``evaluate``)."""

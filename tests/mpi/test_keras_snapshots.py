@@ -125,3 +125,55 @@ def test_another_global_batch_is_refused(world, job):
         script(world, [StopAt(6)])
     with pytest.raises(ValueError, match="batch_size=24"):
         script(world, batch_size=2 * B)
+
+
+def loop(comm, stop_at=None, steps=30):
+    """A custom training loop (tf.distribute's contract) with strategy.resume / strategy.snapshot."""
+    strategy = TorusStrategy(comm=torus.TorusComm(comm, timeout=60), snapshot_steps=4, snapshot_seconds=0)
+    keras.utils.set_random_seed(5)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = data()
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(B))
+    state = list(model.variables) + list(optimizer.variables)
+
+    @tf.function
+    def step(batch):
+        def replica(features, labels):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels, model(features, training=True))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        strategy.run(replica, args=batch)
+
+    resumed = strategy.resume(state)
+    start = 0 if resumed is None else resumed["step"]
+    iterator = iter(dataset.skip(start))  # the loop's own data position: batch i is step i's
+    for i in range(start, steps):
+        step(next(iterator))
+        if i + 1 == stop_at:
+            raise Stop(f"stopped at step {stop_at}")
+        strategy.snapshot(state, i + 1, batch=i + 1)
+    strategy.snapshots.store(next(iter(strategy.snapshots._stores))).wait()
+    return model, start
+
+
+def test_a_custom_loop_resumes_on_fewer_ranks(world, job, monkeypatch):
+    monkeypatch.setenv("TORUS_JOB_ID", "reference")
+    reference, _ = loop(world)
+    monkeypatch.setenv("TORUS_JOB_ID", "lossy")
+    with pytest.raises(Stop):
+        loop(world, stop_at=15)
+    comm, keep = survivors(world)
+    if keep:
+        monkeypatch.setenv("TORUS_RESTART", "1")
+        model, start = loop(comm)
+        assert start == 13  # snapshots after steps 1 + 4k (the first counts from step 1): the newest below 15
+        for got, expected in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+        comm.Free()
+    world.Barrier()

@@ -20,7 +20,8 @@ hand under a plain ``mpiexec`` to resume a job of that id). Off otherwise: a pla
 What is not in a snapshot, and so not exact after a resume: the metric states of the resumed epoch (its
 logged training metrics cover the batches after the restart), a ``tf.data`` dataset whose order depends on how
 many times this process iterated it (``shuffle(reshuffle_each_iteration=True)``), per-rank random layers and
-BatchNormalization's per-rank statistics (rank 0's are restored). Custom loops are not covered.
+BatchNormalization's per-rank statistics (rank 0's are restored). Custom loops call ``strategy.resume`` and
+``strategy.snapshot`` themselves (``Session.resume`` / ``Session.take``).
 """
 from __future__ import annotations
 
@@ -86,13 +87,46 @@ class Session:
             sys.stderr.write(f"torus-run: at step {step}\n")
             sys.stderr.flush()
 
-    def agree(self, model) -> None:
-        """Once per process, at its first fit (collective): the snapshot to resume from, or none."""
+    def agree(self, variables) -> None:
+        """Once per process, at its first fit or ``resume`` (collective): the snapshot to resume from, or none."""
         if self.agreed:
             return
         self.agreed = True
-        store = self.store(model_key(state_variables(model)))
+        store = self.store(model_key(variables))
         self.target = snapshot.agree_newest(self.torus_comm.comm, store, stall_timeout(self.torus_comm))
+
+    def take(self, variables, step: int, meta: dict) -> None:
+        """After global step ``step``: the progress marker, and a snapshot of ``variables`` with ``meta`` where
+        one is due on this node's writer (no collective)."""
+        self.report_progress(step)
+        if not self.writer or not self.cadence.due(step):
+            return
+        arrays = {str(k): np.array(v.numpy()) for k, v in enumerate(variables)}
+        self.store(model_key(variables)).save_async(step, arrays, meta)
+        self.cadence.taken(step)
+
+    def resume(self, variables) -> dict | None:
+        """Custom loops (``TorusStrategy.resume``): assign the newest snapshot to ``variables`` and return its
+        meta with ``step``; None where there is none (collective)."""
+        self.agree(variables)
+        if self.target is None:
+            return None
+        step, arrays, meta = self.target
+        self.target = None
+        assign(variables, arrays, step, self.torus_comm.rank)
+        if self.torus_comm.rank == 0:
+            print(f"torus-run: resumed at step {step} (restart {self.restart}, {self.torus_comm.size} ranks)",
+                  file=sys.stderr, flush=True)
+        return {**meta, "step": step}
+
+
+def assign(variables, arrays: dict, step: int, rank: int) -> None:
+    """The snapshot's arrays into ``variables``, in order (the model key matched: same count, shapes, dtypes)."""
+    if len(arrays) != len(variables):
+        raise ValueError(f"TorusStrategy on rank {rank}: the snapshot of step {step} holds {len(arrays)} "
+                         f"variables, this model and optimizer {len(variables)}")
+    for k, v in enumerate(variables):
+        v.assign(arrays[str(k)])
 
 
 class SnapshotCallback(keras.callbacks.Callback):
@@ -107,7 +141,7 @@ class SnapshotCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         session, model = self.session, self.model
-        session.agree(model)
+        session.agree(state_variables(model))
         if session.target is None:
             return
         step, arrays, meta = session.target
@@ -121,16 +155,11 @@ class SnapshotCallback(keras.callbacks.Callback):
 
     def _restore(self, step: int, arrays: dict, meta: dict) -> None:
         model, rank = self.model, self.session.torus_comm.rank
-        variables = state_variables(model)
-        if len(arrays) != len(variables):
-            raise ValueError(f"TorusStrategy fit on rank {rank}: the snapshot of step {step} holds {len(arrays)} "
-                             f"variables, this model and optimizer {len(variables)}")
         if meta["global_batch"] != self.global_batch:
             raise ValueError(f"TorusStrategy fit on rank {rank}: resuming the snapshot of step {step} needs the "
                              f"global batch it was taken with, batch_size={meta['global_batch']}, not "
                              f"{self.global_batch}: pass the global batch, not a per-rank one times the ranks")
-        for k, v in enumerate(variables):
-            v.assign(arrays[str(k)])
+        assign(state_variables(model), arrays, step, rank)
         if self.order is not None and meta["seed"] is not None:
             self.order.reseed(meta["seed"])
         epoch, done = meta["epoch"], meta["batch"]
@@ -161,22 +190,13 @@ class SnapshotCallback(keras.callbacks.Callback):
         session = self.session
         if self.skip > 0 or not (session.writer or session.progress):
             return
-        step = int(self.model.optimizer.iterations.numpy())
-        session.report_progress(step)
-        if not session.writer:
-            return
-        if not session.cadence.due(step):
-            return
-        variables = state_variables(self.model)
-        arrays = {str(k): np.array(v.numpy()) for k, v in enumerate(variables)}
         epoch, done = self.epoch, batch + 1
         if done == self.params.get("steps"):
             epoch, done = epoch + 1, 0
         meta = {"fit": self.index, "epoch": epoch, "batch": done, "global_batch": self.global_batch,
                 "seed": None if self.order is None else self.order.seed, "ranks": session.torus_comm.size,
                 "restart": session.restart}
-        session.store(model_key(variables)).save_async(step, arrays, meta)
-        session.cadence.taken(step)
+        session.take(state_variables(self.model), int(self.model.optimizer.iterations.numpy()), meta)
 
     def on_train_end(self, logs=None):
         self.model._initial_epoch = None
