@@ -45,6 +45,10 @@ _MODULES = {
     "one_device_strategy": "tensorflow.python.distribute.one_device_strategy",
     "distribute_lib": "tensorflow.python.distribute.distribute_lib",
     "tf_optimizer": "keras.src.backend.tensorflow.optimizer",
+    "eager_context": "tensorflow.python.eager.context",
+    "stateful_random_ops": "tensorflow.python.ops.stateful_random_ops",
+    "keras_global_state": "keras.src.backend.common.global_state",
+    "seed_generator": "keras.src.random.seed_generator",
 }
 
 # (module key or a public object, attributes that must exist on it)
@@ -77,6 +81,10 @@ REQUIRED: tuple[tuple[object, tuple[str, ...]], ...] = (
     (keras.layers.Layer, ("_flatten_layers",)),
     (keras.optimizers.Optimizer, ("_get_variable_index",)),
     (tf.data.Dataset, ("_inputs", "_as_serialized_graph")),
+    ("eager_context", ("context",)),
+    ("stateful_random_ops", ("global_generator",)),
+    ("keras_global_state", ("get_global_attribute", "set_global_attribute")),
+    ("seed_generator", ("GLOBAL_SEED_GENERATOR",)),
 )
 
 # Private attributes that subclasses here read or override on their Keras / TensorFlow base (``self._name``,
@@ -234,6 +242,35 @@ def set_initial_epoch(model, epoch) -> None:
     model._initial_epoch = epoch
 
 
+def eager_op_seeds():
+    """The ``random.Random`` that eager TensorFlow draws its op seeds from (made by ``tf.random.set_seed``), or
+    None."""
+    return getattr(_modules["eager_context"].context(), "_rng", None)
+
+
+def set_eager_op_seeds(rng) -> None:
+    _modules["eager_context"].context()._rng = rng
+
+
+def tf_global_generator():
+    """``tf.random.get_global_generator()``'s generator where one exists (None: not made yet; asking TF would
+    make one)."""
+    return _modules["stateful_random_ops"].global_generator
+
+
+def set_tf_global_generator(generator) -> None:
+    _modules["stateful_random_ops"].global_generator = generator
+
+
+def keras_global_seed_generator():
+    """Keras' global ``SeedGenerator`` (``keras.random`` draws without a seed) where one exists, or None."""
+    return _modules["keras_global_state"].get_global_attribute(_modules["seed_generator"].GLOBAL_SEED_GENERATOR)
+
+
+def set_keras_global_seed_generator(generator) -> None:
+    _modules["keras_global_state"].set_global_attribute(_modules["seed_generator"].GLOBAL_SEED_GENERATOR, generator)
+
+
 def backup_files(callback) -> tuple[str, str, str, str]:
     """A ``BackupAndRestore``'s (weights, previous weights, metadata, previous metadata) paths."""
     return (callback._weights_path, callback._prev_weights_path, callback._training_metadata_path,
@@ -340,4 +377,6 @@ PATCH_SITES = (
     "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients (gradients.as_gradients)",
     "keras.src.saving.saving_api.save_model / save_weights, and keras.saving / keras.models (saving.coordinated)",
     "keras.Model.export (saving.coordinated)",
+    "keras.optimizers.Optimizer.variables and subclasses' own (horovod.keras2.install: callable too, as Keras 2's "
+    "method; on importing torus.integrations.keras.horovod only)",
 )

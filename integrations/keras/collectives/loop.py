@@ -25,6 +25,7 @@ A custom loop::
 """
 from __future__ import annotations
 
+import pickle
 import time
 import warnings
 import weakref
@@ -304,36 +305,125 @@ def gather_records(comm, mine: np.ndarray, timeout, stalled) -> np.ndarray:
     return every
 
 
-def broadcast_variables(torus_comm, variables, root: int = 0) -> None:
+def broadcast_variables(torus_comm, variables, root: int = 0, what: str = "broadcast_variables") -> None:
     """Assign rank ``root``'s values to ``variables`` (Keras or tf variables) on every rank. Eager only;
     collective: every rank passes the same variables (count, shapes, dtypes, order).
 
-    First every rank's list signature is all-gathered and compared (``MismatchError`` on every rank, naming
-    the ranks that differ, before any value moves); then one ``MPI_Ibcast`` per dtype. Each wait is bounded by
-    ``torus_comm``'s stall timeout: a rank that never calls (raised, exited, stuck) turns into
-    ``torus.errors.TimeoutError`` on the others instead of a hang."""
+    First ``check_same_variables`` (``MismatchError`` on every rank, before any value moves); then one
+    ``MPI_Ibcast`` per dtype. Each wait is bounded by ``torus_comm``'s stall timeout: a rank that never calls
+    (raised, exited, stuck) turns into ``torus.errors.TimeoutError`` on the others instead of a hang. ``what``
+    names the operation in the errors."""
     variables = list(variables)
-    comm, rank, size = torus_comm.comm, torus_comm.rank, torus_comm.size
-    timeout = stall_timeout(torus_comm)
-    layout = repr([(tuple(int(d) for d in v.shape), str(v.dtype)) for v in variables]).encode()
-    mine = np.array([len(variables), zlib.crc32(layout)], np.int64)
-    every = gather_records(comm, mine, timeout, lambda: (
-        f"broadcast_variables on rank {rank}: no progress for {timeout:g} s checking every rank's variable "
-        "list: some rank did not call it (it raised, exited or is stuck); abort the job"))
-    differ = [r for r in range(size) if (every[r] != every[root]).any()]
-    if differ:
-        raise MismatchError(f"broadcast_variables on rank {rank}: rank(s) {differ} hold other variables than "
-                            f"rank {root} (count {[int(c) for c in every[:, 0]]} per rank, or shapes/dtypes "
-                            "differ): build the same model and optimizer on every rank")
+    rank, timeout = torus_comm.rank, stall_timeout(torus_comm)
+    check_same_variables(torus_comm, variables, root, what)
     for dt in dict.fromkeys(v.dtype for v in variables):
         group = [v for v in variables if v.dtype == dt]
         flat = np.concatenate([np.asarray(v.numpy() if hasattr(v, "numpy") else v).reshape(-1)
                                for v in group])
-        what = (f"broadcast_variables on rank {rank}: no progress for {timeout} s broadcasting {flat.nbytes} "
-                f"bytes of {dt} from rank {root}: some rank died or is stuck; abort the job")
-        faults.wait(comm.Ibcast(flat.view(np.uint8), root=root), timeout, lambda what=what: what)
+        stalled = (f"{what} on rank {rank}: no progress for {timeout} s broadcasting {flat.nbytes} "
+                   f"bytes of {dt} from rank {root}: some rank died or is stuck; abort the job")
+        faults.wait(torus_comm.comm.Ibcast(flat.view(np.uint8), root=root), timeout, lambda stalled=stalled: stalled)
         offset = 0
         for v in group:
             n = int(np.prod(v.shape))
             v.assign(flat[offset:offset + n].reshape(tuple(v.shape)))
             offset += n
+
+
+def check_same_variables(torus_comm, variables, root: int = 0, what: str = "broadcast_variables") -> None:
+    """Compare every rank's list of ``variables`` (count, then shapes and dtypes in order) with rank ``root``'s:
+    one small ``MPI_Iallgather`` (bounded by the stall timeout, ``torus.errors.TimeoutError`` naming ``what`` and
+    this rank). Where they differ, ``MismatchError`` on every rank, naming the ranks and the first variable that
+    differs; where the difference is a Keras optimizer that holds no slot variables on some ranks, the error says
+    why (``_slotless_optimizers``): one loaded from an ``.h5`` file, or one not built yet. Reads only the
+    variables' shapes, dtypes and names, so it can run inside a ``tf.numpy_function``. Collective."""
+    variables = list(variables)
+    comm, rank, size = torus_comm.comm, torus_comm.rank, torus_comm.size
+    timeout = stall_timeout(torus_comm)
+    layout = _layout(variables)
+    mine = np.array([len(variables), zlib.crc32(repr([(s, d) for _, s, d in layout]).encode())], np.int64)
+    every = gather_records(comm, mine, timeout, lambda: (
+        f"{what} on rank {rank}: no progress for {timeout:g} s checking every rank's variable "
+        "list: some rank did not call it (it raised, exited or is stuck); abort the job"))
+    differ = [r for r in range(size) if (every[r] != every[root]).any()]
+    if differ:  # the same on every rank: all of them take this branch and its collective
+        raise MismatchError(_mismatch(torus_comm, variables, layout, root, differ, every, what))
+
+
+def _layout(variables) -> list:
+    """(name, shape, dtype) of each variable: its Keras ``path`` (a tf.Variable's ``name``)."""
+    return [(str(getattr(v, "path", None) or getattr(v, "name", "?")), tuple(int(d) for d in v.shape), str(v.dtype))
+            for v in variables]
+
+
+def _slotless_optimizers(variables) -> list:
+    """(name, built) of each Keras optimizer whose ``iterations`` variable is among ``variables`` and that holds
+    nothing but its iteration count and learning rate. Keras 3.15's ``.h5`` loader (``keras.models.load_model``)
+    builds the optimizer for the model's own directly held variables, none for a Sequential or functional
+    model, and drops the saved optimizer state: such an optimizer says ``built`` and has no slots. Only looked
+    for once the lists differ (it walks the heap for optimizers)."""
+    import gc
+
+    import keras
+
+    ids = {id(v) for v in variables}
+    found = []
+    for obj in gc.get_objects():
+        if not isinstance(obj, keras.optimizers.Optimizer):
+            continue
+        try:
+            iterations, own = obj.iterations, list(obj.variables)
+        except Exception:  # a half-built optimizer must not hide the mismatch
+            continue
+        if id(iterations) not in ids:
+            continue
+        prefix = str(getattr(iterations, "path", "")).rpartition("/")[0]
+        if prefix and all(str(getattr(v, "path", "")) in (f"{prefix}/iteration", f"{prefix}/learning_rate")
+                          for v in own):
+            found.append((prefix, bool(obj.built)))
+    return found
+
+
+def _mismatch(torus_comm, variables, layout, root, differ, every, what) -> str:
+    """The ``MismatchError`` message; collective (one ``allgather`` of every rank's layout and suspects)."""
+    comm, rank, timeout = torus_comm.comm, torus_comm.rank, stall_timeout(torus_comm)
+
+    def stalled():
+        return f"{what} on rank {rank}: no progress for {timeout:g} s comparing variable lists: abort the job"
+
+    mine = np.frombuffer(pickle.dumps((layout, _slotless_optimizers(variables))), np.uint8)
+    sizes = gather_records(comm, np.array([mine.size], np.int64), timeout, stalled)[:, 0]
+    blob = np.empty(int(sizes.sum()), np.uint8)
+    faults.wait(comm.Iallgatherv(mine, [blob, [int(n) for n in sizes]]), timeout, stalled)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    got = [pickle.loads(blob[bounds[r]:bounds[r + 1]].tobytes()) for r in range(len(sizes))]
+    counts = [int(c) for c in every[:, 0]]
+    for built in (True, False):
+        low = [r for r, (_, suspects) in enumerate(got) if any(b == built for _, b in suspects)]
+        if not low:
+            continue
+        full = [r for r, (_, suspects) in enumerate(got) if not suspects and counts[r] > min(counts[k] for k in low)]
+        if not full:
+            continue
+        name = next(p for p, b in got[low[0]][1] if b == built)
+        if built:
+            import keras
+
+            return (f"{what} on rank {rank}: the optimizer {name!r} on rank(s) {low} says it is built but holds "
+                    f"no slot variables ({counts[low[0]]} variables in all there, {counts[full[0]]} on rank(s) "
+                    f"{full}). Keras {keras.__version__} loads an optimizer from an .h5 file that way: "
+                    "keras.models.load_model / hvd.load_model of a .h5 builds it for no variables and drops the "
+                    "saved optimizer state, and plain Keras then fails in fit with 'Unknown variable'. The model "
+                    "is not at fault: save checkpoints as .keras instead of .h5 (model.save('model.keras'), "
+                    "ModelCheckpoint('checkpoint-{epoch}.keras')) and resume from those, or compile the loaded "
+                    "model with a fresh optimizer")
+        return (f"{what} on rank {rank}: the optimizer {name!r} is not built on rank(s) {low} (no slot "
+                f"variables) but is on rank(s) {full}: build it on every rank before broadcasting "
+                "(optimizer.build(model.trainable_variables))")
+    r, lay, lay_root = differ[0], got[differ[0]][0], got[root][0]
+    k = next((i for i, (a, b) in enumerate(zip(lay, lay_root)) if a[1:] != b[1:]), min(len(lay), len(lay_root)))
+    here = " ".join(map(str, lay[k])) if k < len(lay) else "nothing"
+    there = " ".join(map(str, lay_root[k])) if k < len(lay_root) else "nothing"
+    return (f"{what} on rank {rank}: rank(s) {differ} hold other variables than rank {root} (count {counts} "
+            f"per rank, or shapes/dtypes differ; first difference: variable {k} is {here} on rank {r}, {there} "
+            f"on rank {root}): build the same model and optimizer on every rank")

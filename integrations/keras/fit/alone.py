@@ -22,8 +22,8 @@ import contextlib
 import random
 
 import numpy as np
-from tensorflow.python.eager import context
-from tensorflow.python.ops import stateful_random_ops
+
+from torus.integrations.keras import compat
 
 _depth = [0]
 _SALT = 0x746F72757321  # the side stream's seed differs from anything the main stream draws
@@ -34,25 +34,16 @@ def active() -> bool:
     return _depth[0] > 0
 
 
-def _keras_global_generator():
-    from keras.src.backend.common import global_state
-    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
-    return global_state, GLOBAL_SEED_GENERATOR
-
-
 def _enter() -> tuple:
-    ctx = context.context()
-    eager = getattr(ctx, "_rng", None)  # set by tf.random.set_seed
+    eager = compat.eager_op_seeds()
     if eager is not None:
         # Not saved and restored but set aside: TF caches an eager random kernel per op seed and its state
         # moves on, so an op seed drawn here and drawn again later would give rank 0 another value there.
         # Inside, op seeds come from a stream of their own.
         before = eager.getstate()
-        ctx._rng = random.Random(eager.getrandbits(64) ^ _SALT)
+        compat.set_eager_op_seeds(random.Random(eager.getrandbits(64) ^ _SALT))
         eager.setstate(before)
-    tf_generator = stateful_random_ops.global_generator
-    global_state, key = _keras_global_generator()
-    keras_generator = global_state.get_global_attribute(key)
+    tf_generator, keras_generator = compat.tf_global_generator(), compat.keras_global_seed_generator()
     return (np.random.get_state(), random.getstate(), eager,
             tf_generator, None if tf_generator is None else tf_generator.state.numpy(),
             keras_generator, None if keras_generator is None else keras_generator.state.numpy())
@@ -62,12 +53,12 @@ def _leave(states: tuple) -> None:
     numpy_state, python_state, eager, tf_generator, tf_state, keras_generator, keras_state = states
     np.random.set_state(numpy_state)
     random.setstate(python_state)
-    context.context()._rng = eager
-    stateful_random_ops.global_generator = tf_generator  # one made alone is dropped: the others have none
+    if eager is not None:
+        compat.set_eager_op_seeds(eager)
+    compat.set_tf_global_generator(tf_generator)  # one made alone is dropped: the others have none
     if tf_generator is not None:
         tf_generator.state.assign(tf_state)
-    global_state, key = _keras_global_generator()
-    global_state.set_global_attribute(key, keras_generator)
+    compat.set_keras_global_seed_generator(keras_generator)
     if keras_generator is not None:
         keras_generator.state.assign(keras_state)
 

@@ -33,6 +33,7 @@ import keras
 import numpy as np
 
 from torus import knobs, snapshot
+from torus.integrations.keras import compat
 from torus.integrations.keras.collectives.loop import stall_timeout
 from torus.integrations.keras.fit import inputs
 from torus.integrations.keras.fit.inputs import torus_strategy_of
@@ -146,7 +147,7 @@ class SnapshotCallback(keras.callbacks.Callback):
             return
         step, arrays, meta = session.target
         if meta["fit"] > self.index:  # a fit the snapshot's run had finished: no epoch runs
-            model._initial_epoch = self.params["epochs"]
+            compat.set_initial_epoch(model, self.params["epochs"])
             return
         if meta["fit"] < self.index:
             return
@@ -163,7 +164,7 @@ class SnapshotCallback(keras.callbacks.Callback):
         if self.order is not None and meta["seed"] is not None:
             self.order.reseed(meta["seed"])
         epoch, done = meta["epoch"], meta["batch"]
-        model._initial_epoch = epoch
+        compat.set_initial_epoch(model, epoch)
         self.skip = done
         if done:
             self._original_step = model.train_function
@@ -199,7 +200,7 @@ class SnapshotCallback(keras.callbacks.Callback):
         session.take(state_variables(self.model), int(self.model.optimizer.iterations.numpy()), meta)
 
     def on_train_end(self, logs=None):
-        self.model._initial_epoch = None
+        compat.set_initial_epoch(self.model, None)
         if self._original_step is not None:
             self.model.train_function = self._original_step
 

@@ -205,3 +205,15 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{float(np.asarray(self.model.optimizer.learning_rate)):g}.")
+
+
+def __getattr__(name: str):
+    """``AttributeError``: Horovod's ``callbacks.BestModelCheckpoint`` is not provided (say so); any other name
+    gets Python's usual message; both point to HOROVOD.md."""
+    guide = "integrations/keras/HOROVOD.md"
+    if name == "BestModelCheckpoint":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}: Horovod's "
+                             "hvd.callbacks.BestModelCheckpoint is not provided by torus; use "
+                             "keras.callbacks.ModelCheckpoint(save_best_only=True) on rank 0 after "
+                             f"MetricAverageCallback (see {guide})")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r} (see {guide})")

@@ -21,7 +21,12 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from torus.integrations.keras.collectives.loop import HostAllreduce, allreduce_tensors, wait_for_every_rank
+from torus.integrations.keras.collectives.loop import (
+    HostAllreduce,
+    allreduce_tensors,
+    check_same_variables,
+    wait_for_every_rank,
+)
 from torus.integrations.keras.collectives.loop import broadcast_variables as _bcast_vars
 from torus.integrations.keras.horovod.basics import rank, size, torus_comm
 from torus.integrations.keras.horovod.compression import Compression, wire_format
@@ -31,6 +36,10 @@ from torus.ops import OPS, check_op_dtype
 Average, Sum, Min, Max, Product = "avg", "sum", "min", "max", "prod"
 
 _hosts: dict = {}
+
+# Called inside a user's tf.function, these would be rewritten by AutoGraph on every trace (about 1 s for
+# hvd.broadcast_variables of a few variables); they hold no tensor-dependent Python control flow to convert.
+_not_autograph = tf.autograph.experimental.do_not_convert
 
 
 def host_allreduce(compression=Compression.none, algorithm: str = "auto", what: str = "hvd") -> HostAllreduce:
@@ -97,6 +106,7 @@ def _agree_layout(what: str, buf: np.ndarray, same_first_dim: bool) -> list:
     return [shape for shape, _ in layouts]
 
 
+@_not_autograph
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
     """Reduce ``value`` (any tensor-like; same shape and dtype on every rank) over all ranks; returns a
@@ -126,6 +136,7 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
     return out
 
 
+@_not_autograph
 def allgather(value, name=None):
     """Concatenate every rank's ``value`` along the first dimension, in rank order. Shapes may differ in the
     first dimension only (at least one dimension); dtypes must agree. Returns a ``tf.Tensor``. Differentiable
@@ -158,6 +169,7 @@ def allgather(value, name=None):
     return _differentiable(tensor, forward, grad)
 
 
+@_not_autograph
 def broadcast(value, root_rank, name=None):
     """Rank ``root_rank``'s ``value`` on every rank (same shape and dtype everywhere); a ``tf.Tensor``.
     Differentiable (floating dtypes): on the root rank the gradient is the sum over ranks of the incoming
@@ -198,10 +210,42 @@ def allgather_object(obj, name=None):
     return torus_comm().comm.allgather(obj)
 
 
+@_not_autograph
 def broadcast_variables(variables, root_rank):
-    """Assign rank ``root_rank``'s values to ``variables`` (Keras or tf variables; same shapes, dtypes and
-    order on every rank). Eager only (``torus.integrations.keras.collectives.loop.broadcast_variables``)."""
-    _bcast_vars(torus_comm(), list(variables), _root("hvd.broadcast_variables", root_rank))
+    """Assign rank ``root_rank``'s values to ``variables`` (Keras or tf variables, or a callable returning them
+    such as a Keras 2 ``opt.variables``; same count, shapes, dtypes and order on every rank). Collective.
+
+    Eagerly: ``torus.integrations.keras.collectives.loop.broadcast_variables`` (one ``MPI_Ibcast`` per dtype);
+    returns None. Inside a ``tf.function`` (Horovod's TF2 pattern: ``if first_batch:
+    hvd.broadcast_variables(model.variables, root_rank=0)`` after the first ``apply_gradients``): one
+    ``tf.numpy_function`` that checks the lists, then ``v.assign(hvd.broadcast(v, root_rank))`` for each
+    variable, in order, after what the step did to them before; returns the grouped assignments.
+
+    Raises ``ValueError`` for a ``root_rank`` outside ``[0, size())``; ``torus.errors.MismatchError`` on every
+    rank where the lists differ (``loop.check_same_variables``: it names the first variable that differs, and
+    says when a Keras optimizer holds no slots on some rank, e.g. one loaded from ``.h5``). In a graph the
+    same message reaches the caller inside TensorFlow's error for the failed ``tf.numpy_function``."""
+    if callable(variables) and not isinstance(variables, (list, tuple)):
+        variables = variables()
+    variables = list(variables)
+    what = "hvd.broadcast_variables"
+    root = _root(what, root_rank)
+    tc = torus_comm()
+    if tf.executing_eagerly():
+        _bcast_vars(tc, variables, root, what)
+        return None
+
+    def check(_):
+        check_same_variables(tc, variables, root, what)
+        return np.int64(len(variables))
+
+    checked = tf.numpy_function(check, [tf.constant(0, tf.int64)], tf.int64, stateful=True,
+                                name="hvd_broadcast_variables_check")
+    assigns = []
+    with tf.control_dependencies([checked]):
+        for v in variables:
+            assigns.append(v.assign(broadcast(v, root)))
+    return tf.group(*assigns)
 
 
 def barrier() -> None:

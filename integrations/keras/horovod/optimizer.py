@@ -7,6 +7,8 @@ already held by the optimizer passed in (slots, iterations) is dropped, as in Ho
 """
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -182,16 +184,36 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return wrapped
 
 
+def _lost_its_slots(optimizer, model) -> bool:
+    """Whether ``optimizer`` says it is built but holds fewer variables than the same optimizer built for
+    ``model``'s trainable variables (what Keras 3.15's .h5 loader gives: built for no variables)."""
+    if not optimizer.built or not model.trainable_variables or tf.distribute.has_strategy():
+        return False  # (under a strategy's scope the throwaway build below would create its variables there)
+    fresh = type(optimizer).from_config(optimizer.get_config())
+    fresh.build(model.trainable_variables)
+    return len(fresh.variables) > len(optimizer.variables)
+
+
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
     """``keras.models.load_model(filepath)`` with the model's optimizer, and the state loaded into it, made
     distributed (``op=Average``, ``compression``), as Horovod's ``hvd.load_model``. ``custom_optimizers``:
     optimizer classes the file may name, added to ``custom_objects``. Every rank loads the file itself (put it
-    where all can read it); ``ValueError`` before ``hvd.init()``."""
+    where all can read it); ``ValueError`` before ``hvd.init()``. A ``.h5`` file: Keras 3.15 gives its optimizer
+    back built for no variables and without its saved state; this warns (``UserWarning``), and broadcasting
+    that optimizer to ranks that built theirs raises ``MismatchError`` saying so (save ``.keras`` instead).
+    Not collective."""
     host = host_allreduce(compression, "auto", "hvd.load_model")
     objects = dict(custom_objects or {})
     objects.update({cls.__name__: cls for cls in custom_optimizers or []})
     model = keras.models.load_model(filepath, custom_objects=objects)
     optimizer = model.optimizer
+    if optimizer is not None and _lost_its_slots(optimizer, model):
+        warnings.warn(f"hvd.load_model on rank {rank()}: the optimizer loaded from {filepath} says it is built but "
+                      f"holds no slot variables: Keras {keras.__version__} loads an optimizer from an .h5 file "
+                      "that way (built for no variables, the saved optimizer state dropped). Broadcasting it to "
+                      "ranks that built theirs raises MismatchError, and fit fails with 'Unknown variable' as in "
+                      "plain Keras. Save checkpoints as .keras instead (model.save('model.keras'), "
+                      "ModelCheckpoint('checkpoint-{epoch}.keras'))", stacklevel=2)
     if optimizer is not None and not is_distributed(optimizer):
         # Swap the class in place so the loaded slots and iterations stay; the subclass adds only methods.
         compat.swap_class(optimizer, _distributed_class(type(optimizer)))
