@@ -32,6 +32,7 @@ from kerasref import assert_identical_across_ranks  # noqa: E402
 
 import torus  # noqa: E402
 from torus.integrations.keras import TorusStrategy  # noqa: E402
+from torus.integrations.keras.fit import fit_hook  # noqa: E402
 
 B = 12  # the global batch: a multiple of 1, 2 and 3
 
@@ -145,9 +146,10 @@ def test_lists_of_arrays(strategy, world):
     keras.utils.set_random_seed(4)
     reference = lists_model()  # one process, the global batch, in order
     w0 = [w.copy() for w in reference.get_weights()]
-    want_loss = reference.fit([a, b], [c, d], batch_size=B, epochs=2, shuffle=False, verbose=0).history["loss"]
-    want_eval = reference.evaluate([a, b], [c, d], batch_size=B, verbose=0)
-    want_pred = reference.predict([a, b], batch_size=B, verbose=0)
+    with fit_hook.local():  # plain Keras: not moved under the strategy
+        want_loss = reference.fit([a, b], [c, d], batch_size=B, epochs=2, shuffle=False, verbose=0).history["loss"]
+        want_eval = reference.evaluate([a, b], [c, d], batch_size=B, verbose=0)
+        want_pred = reference.predict([a, b], batch_size=B, verbose=0)
     with strategy.scope():
         model = lists_model()
     model.set_weights(w0)
@@ -168,3 +170,48 @@ def test_lists_of_arrays(strategy, world):
     for got, want in zip(after_lists, model.get_weights()):
         np.testing.assert_array_equal(got, want)
     assert_identical_across_ranks(world, after_lists, "weights after the shuffled fit on lists")
+
+
+class TwoNets(keras.Model):
+    """keras.io's GAN guide's shape: sub-models, its own compile and train_step, no call()."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+                                     keras.layers.Dense(1)])
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def compile(self, optimizer):
+        super().compile()
+        self.opt = optimizer
+
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(tf.ones_like(x[:, :1]), self.net(x))
+        grads = tape.gradient(loss, self.net.trainable_weights)
+        self.opt.apply(grads, self.net.trainable_weights)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def test_a_model_without_call_trains_as_one_process(strategy, world):
+    x = np.random.default_rng(6).standard_normal((48, 4)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(B)
+    keras.utils.set_random_seed(6)
+    reference = TwoNets()  # one process
+    w0 = [w.copy() for w in reference.net.get_weights()]
+    reference.compile(keras.optimizers.Adam(0.01))
+    with fit_hook.local():  # plain Keras: not moved under the strategy
+        reference.fit(dataset, epochs=2, verbose=0)
+    with strategy.scope():
+        model = TwoNets()
+        model.compile(keras.optimizers.Adam(0.01))
+    model.net.set_weights(w0)
+    model.fit(dataset, epochs=2, verbose=0)  # Keras' symbolic build fails on it under any strategy
+    assert_identical_across_ranks(world, model.net.get_weights(), "weights")
+    for got, want in zip(model.net.get_weights(), reference.net.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

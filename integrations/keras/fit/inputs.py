@@ -224,6 +224,11 @@ def build_without_peeking(original):
     @functools.wraps(original)
     def build(self, iterator=None, data_batch=None):
         if iterator is not None and data_batch is None and torus_strategy_of(self) is not None:
+            if type(self).call is keras.Model.call:
+                # No call() (the keras.io GAN: its own train_step over sub-models): nothing to build from a
+                # batch, which Keras' symbolic build fails on under any strategy; built in its first step, as
+                # Keras builds every model without one.
+                return None
             dataset = compat.epoch_dataset(iterator)
             if isinstance(dataset, tf.data.Dataset):
                 return original(self, data_batch=dataset.element_spec)
