@@ -215,3 +215,21 @@ def test_a_model_without_call_trains_as_one_process(strategy, world):
     assert_identical_across_ranks(world, model.net.get_weights(), "weights")
     for got, want in zip(model.net.get_weights(), reference.net.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_save_of_a_model_built_outside_the_scope(strategy, world, folder):
+    """keras.io's saving guide builds models without a strategy and saves them on every rank: the file is
+    written once, by rank 0 (every rank writing it raced: h5py's lock, a damaged zip)."""
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    model.set_weights([w + world.rank for w in model.get_weights()])  # rank r's differ: the file shows who wrote
+    want = world.bcast(model.get_weights(), root=0)
+    for _ in range(5):
+        model.save_weights(folder / "outside.weights.h5")
+        model.save(folder / "outside.keras")
+        for got, expected in zip(keras.models.load_model(folder / "outside.keras").get_weights(), want):
+            np.testing.assert_array_equal(got, expected)
+    again = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    again.load_weights(folder / "outside.weights.h5")
+    for got, expected in zip(again.get_weights(), want):
+        np.testing.assert_array_equal(got, expected)

@@ -7,7 +7,8 @@ process with ``coordinated`` (the names are in ``PATCHED`` below). ``Model.save`
 ``saving_api.save_model`` / ``save_weights`` through that module's attributes, so they are covered with the
 public functions; ``keras.saving.save_model`` and ``keras.models.save_model`` are the same function object,
 rebound in both modules (a ``from keras.saving import save_model`` made before the strategy existed keeps the
-plain one). A model of no TorusStrategy (``model.distribute_strategy`` is not one) saves as plain Keras.
+plain one). In a process with no TorusStrategy a model saves as plain Keras; a model built outside the scope
+is coordinated by the process' TorusStrategy like one built inside it.
 
 For a model of a TorusStrategy:
 
@@ -49,8 +50,7 @@ from mpi4py import MPI
 from torus import faults
 from torus.integrations.keras.collectives.loop import stall_timeout
 from torus.integrations.keras.compat import file_utils, io_utils
-from torus.integrations.keras.fit import alone
-from torus.integrations.keras.fit.inputs import torus_strategy_of
+from torus.integrations.keras.fit import alone, fit_hook
 
 # keras.src.saving.saving_api's save_model / save_weights are rebound (compat.install): Model.save / save_weights
 # call them by these module attributes; keras.saving / keras.models re-export them and are rebound too.
@@ -243,7 +243,9 @@ def coordinated(original, what: str):
 
     @functools.wraps(original)
     def wrapper(model, filepath, *args, **kwargs):
-        strategy = torus_strategy_of(model) if hasattr(model, "distribute_strategy") else None
+        # The model's own TorusStrategy, else the process' (a model built outside the scope and not fit yet:
+        # every rank would write the same file at once)
+        strategy = fit_hook.strategy_for(model) if hasattr(model, "distribute_strategy") else None
         notices = getattr(strategy, "save_notices", None)
         if notices is None or _plain[0] or not isinstance(filepath, (str, os.PathLike)):
             return original(model, filepath, *args, **kwargs)
