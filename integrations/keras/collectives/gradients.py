@@ -17,7 +17,9 @@ outside it is untouched.
 ``as_gradients`` wraps Keras' own gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``, what an
 optimizer without ``reduce_first`` reaches inside ``strategy.run``) so that the strategy knows the values are
 gradients (``_TorusExtended.reducing_gradients``): they go to the bucketed host, while the replica context's other
-all-reduces (SyncBN's moments, a user's ``ctx.all_reduce``) go to the replica host.
+all-reduces (SyncBN's moments, a user's ``ctx.all_reduce``) go to the replica host. Every optimizer that gets
+there (the one whose ``update_step`` runs next: a ``LossScaleOptimizer``'s inner one) gets
+``sparse.deterministic_scatters`` first, so its sparse updates give the same bits on every rank.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import functools
 import tensorflow as tf
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.collectives.sparse import reduce_gradients
+from torus.integrations.keras.collectives.sparse import deterministic_scatters, reduce_gradients
 
 
 def reduce_first(optimizer, strategy) -> bool:
@@ -63,6 +65,7 @@ def as_gradients(fn):
         reducing = getattr(tf.distribute.get_strategy().extended, "reducing_gradients", None)
         if reducing is None:  # not a TorusStrategy
             return fn(self, grads_and_vars)
+        deterministic_scatters(self)  # before its update_step traces the scatters
         with reducing():
             return fn(self, grads_and_vars)
 

@@ -7,8 +7,7 @@ process with ``coordinated`` (the names are in ``PATCHED`` below). ``Model.save`
 ``saving_api.save_model`` / ``save_weights`` through that module's attributes, so they are covered with the
 public functions; ``keras.saving.save_model`` and ``keras.models.save_model`` are the same function object,
 rebound in both modules (a ``from keras.saving import save_model`` made before the strategy existed keeps the
-plain one). In a process with no TorusStrategy a model saves as plain Keras; a model built outside the scope
-is coordinated by the process' TorusStrategy like one built inside it.
+plain one). Without a TorusStrategy in the process a model saves as plain Keras; with one, any model is coordinated.
 
 For a model of a TorusStrategy:
 

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.collectives.sparse import reduce_gradients
+from torus.integrations.keras.collectives.sparse import deterministic_scatters, reduce_gradients
 from torus.integrations.keras.horovod.basics import rank
 from torus.integrations.keras.horovod.collectives import Average, Sum, host_allreduce
 from torus.integrations.keras.horovod.compression import Compression
@@ -67,6 +67,7 @@ class _DistributedMixin:
                                                             name="hvd_accumulator")
 
     def apply(self, grads, trainable_variables=None):
+        deterministic_scatters(self)  # sparse updates: the same bits on every rank (sparse.py)
         state, grads = self._torus, list(grads)
         if state.passes == 1:
             return super().apply(state.reduce(grads), trainable_variables)
