@@ -233,3 +233,17 @@ def test_save_of_a_model_built_outside_the_scope(strategy, world, folder):
     again.load_weights(folder / "outside.weights.h5")
     for got, expected in zip(again.get_weights(), want):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_apply_inside_the_scope_outside_run_says_what_to_do(strategy):
+    """keras.io's custom loop with its loop moved inside the scope: a clear error (it was Keras' AttributeError
+    "'NoneType' object has no attribute 'merge_call'")."""
+    x = np.random.default_rng(8).standard_normal((B, 6)).astype("float32")
+    with strategy.scope():
+        model = classifier()
+        optimizer = keras.optimizers.Adam(1e-3)
+        with tf.GradientTape() as tape:
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(np.zeros(B), model(x))
+        grads = tape.gradient(loss, model.trainable_weights)
+        with pytest.raises(RuntimeError, match=r"outside strategy\.run.*strategy\.run\(step_fn"):
+            optimizer.apply(grads, model.trainable_weights)

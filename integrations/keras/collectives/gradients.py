@@ -62,9 +62,19 @@ def as_gradients(fn):
 
     @functools.wraps(fn)
     def all_reduce_sum_gradients(self, grads_and_vars):
-        reducing = getattr(tf.distribute.get_strategy().extended, "reducing_gradients", None)
+        strategy = tf.distribute.get_strategy()
+        reducing = getattr(strategy.extended, "reducing_gradients", None)
         if reducing is None:  # not a TorusStrategy
             return fn(self, grads_and_vars)
+        if tf.distribute.get_replica_context() is None:  # Keras would fail on with "'NoneType' ... merge_call"
+            raise RuntimeError(
+                f"TorusStrategy on rank {strategy.rank}: optimizer.apply / apply_gradients was called inside "
+                "strategy.scope() but outside strategy.run, where no replica context exists to all-reduce the "
+                "gradients. In a custom loop, run the step as tf.distribute's contract says: "
+                "strategy.run(step_fn, args=(batch,)) on batches of strategy.experimental_distribute_dataset(...) "
+                "(docs/keras.md, 'Custom loops'); or build the optimizer under the scope "
+                "(optimizer.build(model.trainable_variables)), leave the scope, and all-reduce yourself with "
+                "strategy.allreduce_gradients(grads) before apply")
         deterministic_scatters(self)  # before its update_step traces the scatters
         with reducing():
             return fn(self, grads_and_vars)
