@@ -26,6 +26,20 @@ def world():
 
 
 @pytest.fixture
+def shared(world):
+    """One folder for every rank (rank 0's, broadcast: the ranks of one host share it), removed at the end."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(world.bcast(tempfile.mkdtemp(prefix="torus-shared-") if world.rank == 0 else None))
+    yield folder
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def rng(request, world):
     """A generator seeded by the test name and the rank: fresh data that differs between ranks."""
     seed = zlib.crc32(request.node.nodeid.encode())  # stable across processes, unlike hash()

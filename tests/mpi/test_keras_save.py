@@ -7,10 +7,7 @@ r), so a file written by any other rank than 0 shows; the expected values are ra
 broadcast with mpi4py. Keras' writers are counted per rank. Runs at 1, 2 and 3 ranks only.
 """
 import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,16 +34,6 @@ B, N = 12, 24
 @pytest.fixture(scope="module")
 def strategy():
     return TorusStrategy()
-
-
-@pytest.fixture
-def shared(world):
-    """One folder for every rank (rank 0's), empty at the start of each test."""
-    folder = Path(world.bcast(tempfile.mkdtemp(prefix="torus-save-") if world.rank == 0 else None))
-    yield folder
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -13,9 +13,6 @@ batch (plain Keras, no strategy) for the results. Each wait is bounded by a 60 s
 (``TorusComm(timeout=60)``), so a regression fails instead of hanging. Runs at 1, 2 and 3 ranks only.
 """
 import random
-import shutil
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,16 +39,6 @@ def strategy():
     return TorusStrategy(comm=torus.TorusComm(timeout=60))
 
 
-@pytest.fixture
-def folder(world):
-    """One folder for every rank (rank 0's), removed at the end."""
-    path = Path(world.bcast(tempfile.mkdtemp(prefix="torus-user-") if world.rank == 0 else None))
-    yield path
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def classifier():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
     model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -65,35 +52,35 @@ def draws() -> list:
             keras.random.normal((4,)).numpy()]
 
 
-def test_save_inside_scope(strategy, world, folder):
+def test_save_inside_scope(strategy, world, shared):
     keras.utils.set_random_seed(1)
     x = np.random.default_rng(1).standard_normal((48, 6)).astype("float32")
     y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)
     with strategy.scope():  # keras.io's tf.distribute guide: compile, fit with ModelCheckpoint, all in the scope
         model = classifier()
         model.fit(x, y, batch_size=B, epochs=2, verbose=0,
-                  callbacks=[keras.callbacks.ModelCheckpoint(str(folder / "ckpt-{epoch}.keras"))])
-        model.save(folder / "model.keras")
-        model.save_weights(folder / "model.weights.h5")
-        model.export(str(folder / "exported"), verbose=False)
+                  callbacks=[keras.callbacks.ModelCheckpoint(str(shared / "ckpt-{epoch}.keras"))])
+        model.save(shared / "model.keras")
+        model.save_weights(shared / "model.weights.h5")
+        model.export(str(shared / "exported"), verbose=False)
         if strategy.is_chief:
-            model.save(folder / "chief.keras")
+            model.save(shared / "chief.keras")
     strategy.barrier()
     want = world.bcast(model.get_weights(), root=0)
     assert_identical_across_ranks(world, model.get_weights(), "weights after fit")
     for name in ("ckpt-2.keras", "model.keras", "chief.keras"):
-        for got, expected in zip(keras.models.load_model(folder / name).get_weights(), want):
+        for got, expected in zip(keras.models.load_model(shared / name).get_weights(), want):
             np.testing.assert_array_equal(got, expected, err_msg=name)
     again = classifier()
-    again.load_weights(folder / "model.weights.h5")
+    again.load_weights(shared / "model.weights.h5")
     for got, expected in zip(again.get_weights(), want):
         np.testing.assert_array_equal(got, expected, err_msg="model.weights.h5")
-    exported = tf.saved_model.load(str(folder / "exported"))  # held: its functions' variables live in it
+    exported = tf.saved_model.load(str(shared / "exported"))  # held: its functions' variables live in it
     served = exported.serve(x[:5]).numpy()
     np.testing.assert_allclose(served, model.predict(x[:5], verbose=0), rtol=1e-6, atol=1e-6)
 
 
-def test_random_state_after_shuffled_fit(strategy, world, folder):
+def test_random_state_after_shuffled_fit(strategy, world, shared):
     """keras.io's built-in training guide: fit on shuffled arrays, then draw the next data with np.random and
     fit again; every source draws alike on every rank."""
     keras.utils.set_random_seed(2)
@@ -102,7 +89,7 @@ def test_random_state_after_shuffled_fit(strategy, world, folder):
     with strategy.scope():
         model = classifier()
     model.fit(x, y, batch_size=B, epochs=2, shuffle=True, verbose=0,
-              callbacks=[keras.callbacks.ModelCheckpoint(str(folder / "best.keras"))])
+              callbacks=[keras.callbacks.ModelCheckpoint(str(shared / "best.keras"))])
     assert_identical_across_ranks(world, draws(), "the draws after a shuffled fit")
     x2 = np.random.random((24, 6)).astype("float32")  # refused as per-rank data when the states had split
     y2 = np.random.randint(0, 3, 24)
@@ -121,12 +108,12 @@ class DrawsWhenSaved(keras.layers.Layer):
         draws()
 
 
-def test_random_state_after_save(strategy, world, folder):
+def test_random_state_after_save(strategy, world, shared):
     keras.utils.set_random_seed(3)
     with strategy.scope():
         model = keras.Sequential([keras.Input((6,)), DrawsWhenSaved(), keras.layers.Dense(3)])
         model.compile("sgd", "mse", jit_compile=False)
-    model.save(folder / "drawn.keras")  # rank 0 writes, and draws, alone
+    model.save(shared / "drawn.keras")  # rank 0 writes, and draws, alone
     assert_identical_across_ranks(world, draws(), "the draws after a save")
 
 
@@ -217,7 +204,7 @@ def test_a_model_without_call_trains_as_one_process(strategy, world):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_save_of_a_model_built_outside_the_scope(strategy, world, folder):
+def test_save_of_a_model_built_outside_the_scope(strategy, world, shared):
     """keras.io's saving guide builds models without a strategy and saves them on every rank: the file is
     written once, by rank 0 (every rank writing it raced: h5py's lock, a damaged zip)."""
     keras.utils.set_random_seed(7)
@@ -225,12 +212,12 @@ def test_save_of_a_model_built_outside_the_scope(strategy, world, folder):
     model.set_weights([w + world.rank for w in model.get_weights()])  # rank r's differ: the file shows who wrote
     want = world.bcast(model.get_weights(), root=0)
     for _ in range(5):
-        model.save_weights(folder / "outside.weights.h5")
-        model.save(folder / "outside.keras")
-        for got, expected in zip(keras.models.load_model(folder / "outside.keras").get_weights(), want):
+        model.save_weights(shared / "outside.weights.h5")
+        model.save(shared / "outside.keras")
+        for got, expected in zip(keras.models.load_model(shared / "outside.keras").get_weights(), want):
             np.testing.assert_array_equal(got, expected)
     again = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(2)])
-    again.load_weights(folder / "outside.weights.h5")
+    again.load_weights(shared / "outside.weights.h5")
     for got, expected in zip(again.get_weights(), want):
         np.testing.assert_array_equal(got, expected)
 
