@@ -48,7 +48,6 @@ _MODULES = {
     "eager_context": "tensorflow.python.eager.context",
     "stateful_random_ops": "tensorflow.python.ops.stateful_random_ops",
     "keras_global_state": "keras.src.backend.common.global_state",
-    "seed_generator": "keras.src.random.seed_generator",
 }
 
 # (module key or a public object, attributes that must exist on it)
@@ -84,7 +83,6 @@ REQUIRED: tuple[tuple[object, tuple[str, ...]], ...] = (
     ("eager_context", ("context",)),
     ("stateful_random_ops", ("global_generator",)),
     ("keras_global_state", ("get_global_attribute", "set_global_attribute")),
-    ("seed_generator", ("GLOBAL_SEED_GENERATOR",)),
 )
 
 # Private attributes that subclasses here read or override on their Keras / TensorFlow base (``self._name``,
@@ -262,13 +260,16 @@ def set_tf_global_generator(generator) -> None:
     _modules["stateful_random_ops"].global_generator = generator
 
 
+_GLOBAL_SEED_GENERATOR = "global_seed_generator"  # Keras' global-state key (a literal in Keras 3.12)
+
+
 def keras_global_seed_generator():
     """Keras' global ``SeedGenerator`` (``keras.random`` draws without a seed) where one exists, or None."""
-    return _modules["keras_global_state"].get_global_attribute(_modules["seed_generator"].GLOBAL_SEED_GENERATOR)
+    return _modules["keras_global_state"].get_global_attribute(_GLOBAL_SEED_GENERATOR)
 
 
 def set_keras_global_seed_generator(generator) -> None:
-    _modules["keras_global_state"].set_global_attribute(_modules["seed_generator"].GLOBAL_SEED_GENERATOR, generator)
+    _modules["keras_global_state"].set_global_attribute(_GLOBAL_SEED_GENERATOR, generator)
 
 
 def backup_files(callback) -> tuple[str, str, str, str]:
