@@ -58,7 +58,6 @@ PATCHED = {"save_model": "Model.save", "save_weights": "Model.save_weights"}  # 
 
 NOTICE_BYTES = 4096  # one notice: small enough for MPI's eager protocol, so rank 0's sends complete at once
 _TAG = 7
-_window = [0]  # fit / evaluate / predict starts and ends run under a strategy in this process
 _plain = [0]  # > 0: saves run as plain Keras (inside a coordinated save, or local())
 
 
@@ -125,14 +124,21 @@ def _rename(exc: BaseException, tmp: str, filepath: str) -> None:
 
 
 def count_start(call) -> None:
-    """fit_hook stage "model": a fit / evaluate / predict starts, a boundary between save windows."""
-    _window[0] += 1
+    """fit_hook stage "model": a fit / evaluate / predict starts, a boundary between the save windows of its
+    strategy (counted per strategy: a strategy of some ranks only, e.g. on a sub-communicator, moves its own)."""
+    _boundary(call)
 
 
 def count_end(call, result):
     """fit_hook stage "result": it ended, another boundary."""
-    _window[0] += 1
+    _boundary(call)
     return result
+
+
+def _boundary(call) -> None:
+    notices = getattr(call.strategy, "save_notices", None)
+    if notices is not None:
+        notices.window += 1
 
 
 class SaveNotices:
@@ -144,6 +150,7 @@ class SaveNotices:
         self.comm = torus_comm.comm.Dup()
         self._sent: list = []  # (buffer, request) of notices not yet known to be delivered
         self._held: dict | None = None  # a notice of a later window, read ahead
+        self.window = 0  # fit / evaluate / predict starts and ends under this strategy so far
         atexit.register(self._drain)  # before mpi4py's MPI_Finalize (atexit runs the later hooks first)
 
     def save(self, what: str, write, model, filepath, args: tuple, kwargs: dict, in_place: bool, overwrite: bool):
@@ -170,10 +177,10 @@ class SaveNotices:
         if self.torus_comm.rank != 0 or self.torus_comm.size == 1:
             return
         reason = None if error is None else [type(error).__name__, str(error)]
-        blob = json.dumps({"window": _window[0], "what": what, "path": path, "error": reason}).encode()
+        blob = json.dumps({"window": self.window, "what": what, "path": path, "error": reason}).encode()
         while len(blob) > NOTICE_BYTES and reason is not None and len(reason[1]) > 16:
             reason[1] = reason[1][:len(reason[1]) // 2] + " [...]"  # a long error message, cut
-            blob = json.dumps({"window": _window[0], "what": what, "path": path, "error": reason}).encode()
+            blob = json.dumps({"window": self.window, "what": what, "path": path, "error": reason}).encode()
         if len(blob) > NOTICE_BYTES:
             raise ValueError(f"{what} on rank 0: a path of {len(path)} characters is too long to announce to the "
                              f"other ranks ({NOTICE_BYTES} bytes at most)")
@@ -213,9 +220,9 @@ class SaveNotices:
         failed); False where this rank must write ``path`` itself."""
         while True:
             notice = self._next(what, path)
-            if notice["window"] < _window[0]:
+            if notice["window"] < self.window:
                 continue  # a save rank 0 made alone, before the last fit / evaluate / predict boundary
-            if notice["window"] > _window[0]:
+            if notice["window"] > self.window:
                 self._held = notice  # rank 0 made no save here: it belongs to a later one of ours
                 return False
             if (notice["what"], notice["path"]) != (what, path):
