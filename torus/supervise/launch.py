@@ -41,6 +41,12 @@ PEER_LOST_EXIT = 75
 # After the launcher's exit, read what is left in its pipes for at most this long: a helper of a lost host
 # (the emulated cluster's ``ip netns exec`` shell) may hold them open for as long as that host's proxy lives.
 DRAIN_S = 1.0
+# A rank aborted for a lost peer (``[rank R] calling MPI_Abort(75)``) and the launcher has not ended this long
+# after: it waits on a host it lost (hydra's proxy behind a cut link). torus-run ends its session itself and
+# takes the launch as ended by a lost peer. Longer than MPI_Abort needs on reachable hosts.
+LAUNCHER_GRACE_S = 30.0
+
+_PEER_LOST = re.compile(rf"\[rank \d+\] calling MPI_Abort\({PEER_LOST_EXIT}\)")
 
 _BANNER = re.compile(r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES")
 _RUNNING_AT = re.compile(r"^=\s+PID \d+ RUNNING AT (\S+)")
@@ -106,12 +112,17 @@ class Scan:
     first_failure: float | None = None
     resumed: int | None = None
     progress: int | None = None
+    peer_lost: float | None = None  # when a rank first said it aborts for a lost peer
 
     def line(self, text: str, now: float) -> None:
         if self.resumed is None and (found := RESUMED.search(text)):
             self.resumed = int(found.group(1))
             return
-        if _BANNER.search(text):
+        if _PEER_LOST.search(text):
+            if self.peer_lost is None:
+                self.peer_lost = now
+            self._failed(now)
+        elif _BANNER.search(text):
             self.banner = True
             self._failed(now)
         elif found := _RUNNING_AT.match(text):
@@ -171,7 +182,9 @@ def run(command: list[str], env: Mapping[str, str], started: Callable[[subproces
     passed through to ``out`` and ``err`` (default: this process's) as they come, and read line by line by a
     :class:`Scan`. ``started(proc)`` is called once it runs (the caller forwards signals to it). After the
     launcher exits, what is left of its session (its process group) is killed, and its pipes are read for at
-    most :data:`DRAIN_S` more seconds. Raises ``OSError`` when the launcher cannot start."""
+    most :data:`DRAIN_S` more seconds. A launcher still running :data:`LAUNCHER_GRACE_S` after a rank aborted
+    for a lost peer is ended the same way, and the launch counts as ended with ``PEER_LOST_EXIT``. Raises
+    ``OSError`` when the launcher cannot start."""
     sinks = {1: out or sys.stdout.buffer, 2: err or sys.stderr.buffer}
     scan = Scan()
     t0 = time.monotonic()
@@ -183,8 +196,12 @@ def run(command: list[str], env: Mapping[str, str], started: Callable[[subproces
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ, 1)
         sel.register(proc.stderr, selectors.EVENT_READ, 2)
-        deadline = None
+        deadline, stuck = None, False
         while sel.get_map():
+            if deadline is None and not stuck and scan.peer_lost is not None \
+                    and time.monotonic() - scan.peer_lost > LAUNCHER_GRACE_S and proc.poll() is None:
+                _end_session(proc.pid)
+                stuck = True
             if deadline is None and proc.poll() is not None:
                 _end_session(proc.pid)
                 deadline = time.monotonic() + DRAIN_S
@@ -209,6 +226,8 @@ def run(command: list[str], env: Mapping[str, str], started: Callable[[subproces
     _end_session(proc.pid)
     proc.stdout.close()
     proc.stderr.close()
+    if stuck:
+        status = PEER_LOST_EXIT
     return Ended(128 - status if status < 0 else status, scan, t0, time.monotonic())
 
 
