@@ -215,7 +215,8 @@ def test_the_restart_line_and_the_summary():
 
 def test_detection_is_the_first_failure_line_else_the_exit():
     assert launch.Ended(9, _scan(ONE_HOST_SIGKILL[1]), 50.0, 120.0).detected == 105.0  # the 6th line
-    assert launch.Ended(75, _scan(LINK_CUT[1]), 50.0, 120.0).detected == 120.0
+    assert launch.Ended(75, _scan(LINK_CUT[1]), 50.0, 120.0).detected == 101.0  # the rank's MPI_Abort(75) line
+    assert launch.Ended(1, _scan("error: no\n"), 50.0, 120.0).detected == 120.0  # no failure line: the exit
 
 
 class _World:
