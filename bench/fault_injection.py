@@ -380,8 +380,8 @@ def summarize(jsonl: Path, txt: Path) -> str:
                    f"{r['train_seconds']} s training, {r['seconds']} s in all{extra}")
     out.append("")
     head = ("config", "fault", "trials", "finished", "hung", "fault->first step s (median/max)",
-            "fault->restart line s (med/max)", "ranks after", "redone max (log / torus-run)",
-            "interval", "max |w-w_ref|", "max rel", "bitwise = ref")
+            "fault->restart line s (med/max)", "relaunch->resumed s (med)", "ranks after",
+            "redone max (log / torus-run)", "interval", "max |w-w_ref|", "max rel", "bitwise = ref")
     rows = []
     trials = [r for r in recs if r["kind"] == "trial"]
     for config in sorted({r["config"] for r in trials}):
@@ -396,11 +396,14 @@ def summarize(jsonl: Path, txt: Path) -> str:
             diffs = [r["max_abs_diff"] for r in group if r.get("max_abs_diff") is not None]
             rels = [r["max_rel_diff"] for r in group if r.get("max_rel_diff") is not None]
             ranks = sorted({r.get("ranks_after") for r in group if r.get("ranks_after") is not None})
+            startup = [r["fault_to_resumed_line_s"] - r["fault_to_restart_line_s"] for r in group
+                       if r.get("fault_to_resumed_line_s") is not None and r.get("fault_to_restart_line_s") is not None]
             rows.append((config, fault, str(len(group)), str(sum(bool(r["finished"]) for r in group)),
                          str(sum(bool(r.get("hung")) for r in group)),
                          f"{_fmt(statistics.median(first) if first else None)} / {_fmt(max(first, default=None))}",
                          f"{_fmt(statistics.median(line_s) if line_s else None)} / "
                          f"{_fmt(max(line_s, default=None))}",
+                         _fmt(statistics.median(startup) if startup else None),
                          ",".join(map(str, ranks)) or "-",
                          f"{_fmt(max(redone, default=None), 'd')} / {_fmt(max(redone_tr, default=None), 'd')}",
                          f"{group[0]['snapshot_steps']} steps / {group[0]['snapshot_seconds']} s",
@@ -410,12 +413,19 @@ def summarize(jsonl: Path, txt: Path) -> str:
     out.append(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
     out.append("-+-".join("-" * w for w in widths))
     out += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    out += ["", "fault->first step: from the fault to the first step trained after the restart (the job's step log); "
+            "fault->restart line: to torus-run's", "restart line (the launch ended, the probe answered); "
+            "relaunch->resumed: from that line to the relaunch's 'resumed at step' line (start-up);",
+            "redone: the last step logged before the fault less the step resumed at (torus-run's own count reads "
+            "its 0.2 s progress", "marker); max |w-w_ref|: final weights against the uninterrupted run at every "
+            "slot ('ref' above); tolerance 1e-5 relative."]
     bad = [r for r in trials if not r["finished"] or r.get("hung") or r.get("restarts") != 1]
     if bad:
         out.append("")
         out.append("Trials that did not finish, hung, or restarted other than once:")
-        out += [f"  {r['job_id']}: exit {r['exit_status']}, restarts {r.get('restarts')}, final step "
-                f"{r.get('final_step')}; {r.get('summary')}" for r in bad]
+        out += [f"  {r['job_id']}: {r.get('victim')} at step {r.get('fault_step')}: exit {r['exit_status']}"
+                f"{' (hung: stopped by the bench)' if r.get('hung') else ''}, restarts {r.get('restarts')}, final "
+                f"step {r.get('final_step')}; {r.get('summary')}" for r in bad]
     text = "\n".join(out) + "\n"
     txt.write_text(text)
     return text
