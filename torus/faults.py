@@ -158,6 +158,7 @@ def _say(line: str) -> None:
 # A Python error raised inside a TensorFlow op (tf.numpy_function) reaches the caller as an OpError whose message
 # holds the original's traceback; its last line names the original error.
 _WRAPPED = re.compile(r"^(?:torus\.errors\.)?(\w+(?:Error|Exception)): (.+)$", re.MULTILINE)
+_WRAPPED_TIMEOUT = re.compile(r"^torus\.errors\.TimeoutError: (.+)$", re.MULTILINE)
 
 
 def reason(exc_type, exc) -> tuple[str, str]:
@@ -177,10 +178,12 @@ def peer_lost(exc_type, exc) -> bool:
     if issubclass(exc_type, TorusTimeout):
         text = str(exc)
     elif exc_type.__module__.startswith("tensorflow"):
-        found = _WRAPPED.search(str(exc))
-        if not (found and found.group(0).startswith("torus.errors.TimeoutError: ")):
+        # the op's own traceback ends with the qualified name; TensorFlow's "Detected at node" block before it
+        # names the error by its bare class name, which a builtin TimeoutError shares
+        found = _WRAPPED_TIMEOUT.search(str(exc))
+        if not found:
             return False
-        text = found.group(2)
+        text = found.group(1)
     else:
         return False
     return _PYTHON_EXITED not in text
