@@ -96,12 +96,19 @@ class Session:
         store = self.store(model_key(variables))
         self.target = snapshot.agree_newest(self.torus_comm.comm, store, stall_timeout(self.torus_comm))
 
+    def due(self, step: int) -> bool:
+        """After global step ``step``: the progress marker; True where a snapshot is due on this node's writer."""
+        self.report_progress(step)
+        return self.writer and self.cadence.due(step)
+
     def take(self, variables, step: int, meta: dict) -> None:
         """After global step ``step``: the progress marker, and a snapshot of ``variables`` with ``meta`` where
         one is due on this node's writer (no collective)."""
-        self.report_progress(step)
-        if not self.writer or not self.cadence.due(step):
-            return
+        if self.due(step):
+            self.write(variables, step, meta)
+
+    def write(self, variables, step: int, meta: dict) -> None:
+        """A snapshot of ``variables`` after ``step``, copied now and written in the background."""
         arrays = {str(k): np.array(v.numpy()) for k, v in enumerate(variables)}
         self.store(model_key(variables)).save_async(step, arrays, meta)
         self.cadence.taken(step)
@@ -191,13 +198,16 @@ class SnapshotCallback(keras.callbacks.Callback):
         session = self.session
         if self.skip > 0 or not (session.writer or session.progress):
             return
+        step = int(self.model.optimizer.iterations.numpy())
+        if not session.due(step):  # the variable list and meta only for a snapshot, not every step
+            return
         epoch, done = self.epoch, batch + 1
         if done == self.params.get("steps"):
             epoch, done = epoch + 1, 0
         meta = {"fit": self.index, "epoch": epoch, "batch": done, "global_batch": self.global_batch,
                 "seed": None if self.order is None else self.order.seed, "ranks": session.torus_comm.size,
                 "restart": session.restart}
-        session.take(state_variables(self.model), int(self.model.optimizer.iterations.numpy()), meta)
+        session.write(state_variables(self.model), step, meta)
 
     def on_train_end(self, logs=None):
         compat.set_initial_epoch(self.model, None)
