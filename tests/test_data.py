@@ -1,7 +1,8 @@
 """Input pipeline pieces in one process: the folder and TFRecord layouts agree image for image, shards are
-disjoint and complete, the epoch order is a pure function of (seed, epoch, rank), the rotation matches
-numpy's, bad images are found by path, the digits set is built once and completely, and a checkpoint
-round-trips. Budget: about 15 s (TensorFlow start-up and one tiny model).
+disjoint and complete, the epoch order is a pure function of (seed, epoch, rank), global batches are the same
+at every rank count and after a skip, the rotation matches numpy's, bad images are found by path, the digits
+set is built once and completely, and a checkpoint round-trips. Budget: about 15 s (TensorFlow start-up and
+one tiny model).
 """
 from __future__ import annotations
 
@@ -83,6 +84,54 @@ def test_epoch_order_is_a_function_of_seed_epoch_rank(tree):
     assert not all(np.array_equal(a[1], b[1]) for a, b in zip(first, other))
     assert np.concatenate([y for _, y in first]).tolist() != np.concatenate([y for _, y in epoch(1, seed=5)]).tolist()
     assert first[0][0].shape == (7, 8, 8, 3) and first[0][0].dtype == np.float32
+
+
+class _Comm:
+    """What shared_split needs of a communicator, for ``size`` shards opened in this one process."""
+
+    def __init__(self, shards):
+        self.shards = shards
+
+    def allgather(self, _mine):
+        return [{where for where, _ in s.bad} for s in self.shards]
+
+
+def test_global_batches_are_the_same_at_every_rank_count_and_after_a_skip(tree):
+    """Global batch b (the ranks' slices, in rank order) is the same images, augmented the same, at 1, 2 and 3
+    ranks, and from ``skip=k`` on equals the uninterrupted epoch's batches k.. (a resume at another count)."""
+    aug = data.Augment.parse("crop=0.3,flip,rotate,color,noise")
+    global_batch, steps = 6, 3
+
+    def epoch(size, skip=0):
+        shards = [data.open_split(tree[0], "train", rank=r, size=size) for r in range(size)]
+        splits = [data.shared_split(s, _Comm(shards)) for s in shards]
+        assert all(s.shared and s.count == 21 and s.items == splits[0].items for s in splits)
+        per_rank = [[(x.numpy(), y.numpy()) for x, y in data.train_dataset(
+            split, epoch=2, batch_size=global_batch // size, steps=steps, image_size=8, augment=aug, seed=3,
+            rank=r, size=size, skip=skip)] for r, split in enumerate(splits)]
+        return [(np.concatenate([b[0] for b in batch]), np.concatenate([b[1] for b in batch]))
+                for batch in zip(*per_rank)]
+    one = epoch(1)
+    assert len(one) == steps and one[0][0].shape == (6, 8, 8, 3)
+    assert len({y.tobytes() for _, y in one}) > 1  # not one batch repeated
+    for size, skip in ((2, 0), (3, 0), (2, 1), (3, 2), (1, 2)):
+        other = epoch(size, skip)
+        assert len(other) == steps - skip, (size, skip)
+        for (x, y), (x2, y2) in zip(one[skip:], other):
+            np.testing.assert_array_equal(y, y2)
+            np.testing.assert_allclose(x, x2, rtol=0, atol=1e-6)  # the same ops on the same image and key
+
+
+def test_shared_split_leaves_out_every_ranks_bad_images(tree):
+    root, truth = tree
+    bad = sorted(p for p in truth if "/train/" in p)[4]
+    Path(bad).write_bytes(b"not an image")
+    shards = [data.open_split(root, "train", rank=r, size=2) for r in range(2)]
+    assert sum(len(s.bad) for s in shards) == 1
+    for s in shards:
+        shared = data.shared_split(s, _Comm(shards))
+        assert shared.count == 20 and bad not in shared.items
+        assert [truth[p][0] for p in shared.items] == shared.labels.tolist()
 
 
 def test_augment_parse():

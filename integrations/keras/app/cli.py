@@ -55,8 +55,9 @@ def parser() -> argparse.ArgumentParser:
     d = DEFAULTS
     p.add_argument("--data", metavar="DIR",
                    help="ILSVRC2012 folder tree (train/, val/) or TFRecord folder (default: the embedded digits)")
-    p.add_argument("--model", default="resnet50", choices=["resnet50", "tiny"],
-                   help="resnet50: keras.applications.ResNet50(weights=None); tiny: a small CNN for tests")
+    p.add_argument("--model", default="resnet50", choices=["resnet50", "tiny", "tiny-nobn"],
+                   help="resnet50: keras.applications.ResNet50(weights=None); tiny: a small CNN for tests; "
+                   "tiny-nobn: the same without batch normalization (the same result at any rank count)")
     p.add_argument("--image-size", type=int, default=d["image_size"], metavar="PIXELS",
                    help="side of the square training and validation images (resnet50 needs at least 32)")
     p.add_argument("--epochs", type=int, default=d["epochs"], help="epochs to train")
@@ -94,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", metavar="DIR", help="rank 0 writes a checkpoint here after every epoch, "
                    "and summary.json at the end")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--snapshot-every", type=int, metavar="STEPS",
+                   help="under torus-run (or with TORUS_JOB_ID set): a snapshot every STEPS global steps, which a "
+                   "relaunch resumes from at the next global batch (default: TORUS_SNAPSHOT_STEPS, else 500, "
+                   "and every TORUS_SNAPSHOT_SECONDS; 0: none by steps)")
     p.add_argument("--summary", metavar="FILE", help="write the final summary (JSON) here "
                    "(default: <checkpoint-dir>/summary.json with --checkpoint-dir, else nowhere)")
     p.add_argument("--synthetic", action="store_true", help="time steps on random tensors (no data)")
@@ -140,6 +145,8 @@ def _check(p, args, size: int | None) -> None:
     for name in ("momentum", "label_smoothing", "bn_momentum"):
         if not 0 <= getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name):g}: must be in [0, 1)")
+    if args.snapshot_every is not None and args.snapshot_every < 0:
+        p.error(f"--snapshot-every {args.snapshot_every}: must be 0 or more steps")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
     if args.warmup_epochs >= args.epochs:

@@ -13,9 +13,10 @@ Sharding: the folder layout deals image files round-robin (rank ``r`` of ``size`
 ...``); TFRecords deal whole shard files when there are at least ``size`` of them, else records
 (``Dataset.shard``). Every image of a rank's shard is decoded once by :func:`open_split` (in parallel by
 tf.data) so that unreadable or corrupt images are reported by path before training, counted, and then either
-skipped or raised (``on_bad_image``). Training order in epoch ``e`` is a function of ``(seed, e, rank)`` only
-and every random augmentation is a stateless op seeded per element, so a run resumed at an epoch boundary
-sees exactly the batches an uninterrupted run sees.
+skipped or raised (``on_bad_image``). For training, ``shared_split`` then gives every rank the folder layout's
+whole good list: epoch ``e``'s global batches follow from ``(seed, e)`` alone, at any rank count; TFRecord
+training order follows from ``(seed, e, rank)``. Every random augmentation is a stateless op seeded per element,
+so a run resumed at any batch (``train_dataset(skip=)``) sees exactly the batches an uninterrupted run sees.
 
 Images come out as float32 ``(batch, S, S, 3)`` normalised with the ImageNet channel mean and standard
 deviation; labels as int32 ``(batch,)`` in ``[0, num_classes)``. Every dataset returned here holds this
@@ -92,7 +93,10 @@ class Split:
     kind : ``"folder"`` (``items`` are image paths, ``labels`` their class indices) or ``"tfrecord"``
         (``items`` are shard files, ``labels`` is None, ``record_shard`` is ``(size, rank)`` when records
         rather than files are dealt, ``bad_keys`` the keys of bad records, see ``_keyed_records``).
-    count : good examples in this rank's shard.  bad : ``[(where, error)]`` for each bad image.
+    count : good examples in this rank's shard.  bad : ``[(where, error)]`` for each bad image this rank found.
+    listing : the folder layout's whole listing, ``(paths, labels)`` before dealing (``shared_split`` reads it).
+    shared : True where ``items`` are every rank's good examples, the same list on every rank
+        (``shared_split``): the training order is then global, see ``train_dataset``.
     """
     kind: str
     items: list
@@ -102,6 +106,22 @@ class Split:
     bad: list
     record_shard: tuple | None = None
     bad_keys: frozenset = frozenset()
+    listing: tuple | None = None
+    shared: bool = False
+
+
+def shared_split(shard: Split, comm) -> Split:
+    """The folder layout's good examples of every rank in one list, the same on every rank (collective: one
+    all-gather of the bad paths). Training from it gives each global batch the same images whatever the rank
+    count, which a resume at another rank count needs (``train_dataset``). TFRecord shards are returned as
+    they are: their records are read per rank (a rank reads only its files)."""
+    if shard.kind != "folder" or shard.listing is None:
+        return shard
+    bad = set().union(*comm.allgather({where for where, _ in shard.bad}))
+    paths, labels = shard.listing
+    keep = [i for i, path in enumerate(paths) if path not in bad]
+    return dataclasses.replace(shard, items=[paths[i] for i in keep], labels=np.asarray(labels, np.int32)[keep],
+                               count=len(keep), shared=True)
 
 
 def _split_dir(root: Path, split: str) -> Path | None:
@@ -185,6 +205,7 @@ def _open_folder(folder: Path, classes: list[str], rank: int, size: int) -> Spli
         labels += [label] * len(files)
     if not paths:
         raise DataError(f"data folder {folder} holds no images (expected <class>/*.jpg)")
+    listing = (list(paths), list(labels))
     # deal a fixed interleaving of classes so every rank's shard holds every class
     order = np.random.default_rng(0).permutation(len(paths))[rank::size]
     paths = [paths[i] for i in order]
@@ -193,7 +214,7 @@ def _open_folder(folder: Path, classes: list[str], rank: int, size: int) -> Spli
     bad = set(_scan(indexed, range(len(paths))))
     keep = [i for i in range(len(paths)) if i not in bad]
     return Split("folder", [paths[i] for i in keep], labels[keep], len(classes), len(keep),
-                 [(paths[i], _UNDECODABLE) for i in sorted(bad)])
+                 [(paths[i], _UNDECODABLE) for i in sorted(bad)], listing=listing)
 
 
 def _keyed_records(files, file_ids, record_shard):
@@ -295,20 +316,35 @@ def _examples(split: Split, order: np.ndarray | None, shuffle_seed: int | None):
 
 
 def train_dataset(split: Split, *, epoch: int, batch_size: int, steps: int, image_size: int,
-                  augment: Augment = Augment(), seed: int = 0, rank: int = 0):
-    """Exactly ``steps`` batches of ``batch_size`` augmented training images from ``split`` for ``epoch``.
+                  augment: Augment = Augment(), seed: int = 0, rank: int = 0, size: int = 1, skip: int = 0):
+    """Batches ``skip`` to ``steps - 1`` of ``batch_size`` (per rank) augmented training images from ``split``
+    for ``epoch``.
 
-    The order and every augmentation draw depend only on ``(seed, epoch, rank)``. Raises ``DataError`` when
-    the shard holds fewer than ``steps * batch_size`` good images.
+    A shared split (``shared_split``) has a global order: a permutation of every example drawn from
+    ``(seed, epoch)``, cut into global batches of ``batch_size * size``, of which rank ``rank`` reads the
+    ``rank``-th slice; each augmentation is keyed by the example's position in that order. Global batch ``b``
+    is then the same images, augmented the same, at any rank count. A rank's own shard (TFRecords) has an
+    order and draws that depend on ``(seed, epoch, rank)``: the same at the same rank count only. Raises
+    ``DataError`` when the split holds fewer than ``steps`` batches.
     """
-    if steps * batch_size > split.count:
-        raise DataError(f"rank {rank}: train shard has {split.count} images, fewer than {steps} steps of "
-                        f"{batch_size}")
-    rng = np.random.default_rng([seed, epoch, rank])
-    order = rng.permutation(len(split.items))
-    base = tf.constant([seed * 1_000_003 + rank, epoch], tf.int64)
-    dataset = _examples(split, order, int(rng.integers(2 ** 31)) if split.kind == "tfrecord" else None)
-    dataset = dataset.take(steps * batch_size).enumerate().map(
+    total = steps * batch_size * (size if split.shared else 1)
+    if total > split.count:
+        raise DataError(f"rank {rank}: train {'data' if split.shared else 'shard'} has {split.count} images, "
+                        f"fewer than {steps} steps of {batch_size}" + (f" x {size} ranks" if split.shared else ""))
+    if split.shared:
+        global_order = np.random.default_rng([seed, epoch]).permutation(len(split.items))[:total]
+        # positions in the global order of this rank's examples, batch after batch
+        positions = np.arange(total).reshape(steps, size, batch_size)[skip:, rank].ravel()
+        order, base = global_order[positions], tf.constant([seed * 1_000_003, epoch], tf.int64)
+        dataset = tf.data.Dataset.zip(tf.data.Dataset.from_tensor_slices(positions.astype(np.int64)),
+                                      _examples(split, order, None))
+    else:
+        rng = np.random.default_rng([seed, epoch, rank])
+        order = rng.permutation(len(split.items))
+        base = tf.constant([seed * 1_000_003 + rank, epoch], tf.int64)
+        dataset = _examples(split, order, int(rng.integers(2 ** 31)) if split.kind == "tfrecord" else None)
+        dataset = dataset.take(total).enumerate().skip(skip * batch_size)
+    dataset = dataset.map(
         lambda i, example: (_normalise(_augment(_decode(example[0]),
                                                       tf.stack([base[0] + base[1] * 7919, i]),
                                                       image_size, augment)), example[1]),

@@ -1,7 +1,8 @@
 """The ``torus-train`` trainer: builds the model, optimizer, data and strategy from the parsed command line
 (``cli.parse_args``) and runs the epochs (``Trainer.run``): one ``model.fit`` epoch per batch size of the
 schedule (or a custom loop with ``--trainer loop``), a global evaluation, batch-norm statistics averaged over
-ranks and an atomic checkpoint on rank 0 each epoch; ``summary_line`` is the run in one line.
+ranks and an atomic checkpoint on rank 0 each epoch, and under torus-run snapshots within epochs
+(``app/snapshots.py``); ``summary_line`` is the run in one line.
 """
 from __future__ import annotations
 
@@ -18,17 +19,19 @@ from torus.integrations.keras.app.cli import RECIPE
 
 
 def build_model(name: str, image_size: int, num_classes: int, bn_momentum: float):
-    """ResNet-50 (random init, logits out) or a tiny CNN; batch-norm momentum set to ``bn_momentum``."""
+    """ResNet-50 (random init, logits out) or a tiny CNN, with or without batch normalization (``tiny``,
+    ``tiny-nobn``); batch-norm momentum set to ``bn_momentum``."""
     import keras
     shape = (image_size, image_size, 3)
     if name == "resnet50":
         model = keras.applications.ResNet50(weights=None, input_shape=shape, classes=num_classes,
                                             classifier_activation=None)
-    else:
+    else:  # tiny-nobn: its result does not depend on how a global batch is split over ranks
+        norm = [keras.layers.BatchNormalization()] if name == "tiny" else []
         model = keras.Sequential([
-            keras.Input(shape), keras.layers.Conv2D(8, 3, strides=2, padding="same"),
-            keras.layers.BatchNormalization(), keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(num_classes)], name="tiny")
+            keras.Input(shape), keras.layers.Conv2D(8, 3, strides=2, padding="same"), *norm,
+            keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(num_classes)], name=name.replace("-", "_"))
     for layer in model.layers:
         if isinstance(layer, keras.layers.BatchNormalization):
             # Keras' 0.99 lags far behind the weights in short runs: validation stays at chance for epochs
@@ -43,6 +46,16 @@ def build_optimizer(args):
     if args.optimizer == "lars":
         return LARS(0.0, momentum=args.momentum, trust_coefficient=args.trust, weight_decay=args.weight_decay)
     return keras.optimizers.SGD(0.0, momentum=args.momentum, weight_decay=args.weight_decay or None)
+
+
+def _fit_ranks(schedule, epoch: int, size: int) -> None:
+    """``ValueError`` naming the rank counts that work where ``size`` ranks do not divide ``epoch``'s global
+    batch (a relaunch on fewer hosts can reach such a count)."""
+    batch = schedule.global_batch(epoch)
+    if batch % size:
+        fits = [n for n in range(1, 2 * size + 1) if batch % n == 0]
+        raise ValueError(f"torus-train: the global batch {batch} of epoch {epoch + 1} does not divide into {size} "
+                         f"ranks; it does into {', '.join(map(str, fits))} ranks (up to {2 * size})")
 
 
 class AgreedError(Exception):
@@ -167,13 +180,13 @@ class Trainer:
             knobs.override("TORUS_TIMELINE", args.timeline)
         self.strategy = TorusStrategy(dims=dims, algorithm=args.algorithm, compression=args.compression,
                                       comm=comm, overlap={"on": True, "off": False}.get(args.overlap),
-                                      bucket_bytes=args.bucket_bytes)
+                                      bucket_bytes=args.bucket_bytes, snapshot_steps=args.snapshot_every)
         self.schedule = BatchSizeSchedule(args.batch_schedule)
         self.lr_rule = LearningRateRule(args.lr, args.base_batch, args.warmup_epochs, "poly", args.epochs)
         self.augment = data.Augment.parse(args.augment or ("crop,flip" if args.data else "none"))
         self.root = args.data
         if args.synthetic:
-            self.num_classes, self.min_count = args.num_classes or 1000, None
+            self.num_classes, self.min_count, self.train_data = args.num_classes or 1000, None, None
         else:
             if self.root is None:
                 # rank 0 builds the set; ensure_digits' lock makes any rank safe, the barrier makes it once
@@ -187,6 +200,8 @@ class Trainer:
                 for split in ("train", "val"))
             self.num_classes = self.train_split.num_classes
             self.min_count = comm.allreduce(self.train_split.count, op=MPI.MIN)
+            # training reads global batches (the same images at any rank count) where the layout allows
+            self.train_data = data.shared_split(self.train_split, comm)
         self.loss = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=args.label_smoothing)
         if args.trainer == "fit":
             with self.strategy.scope():
@@ -203,17 +218,32 @@ class Trainer:
         model.optimizer.build(model.trainable_variables)
         return model
 
-    def _train_data(self, epoch: int, per_rank: int, steps: int):
+    def _steps(self, epoch: int) -> int:
+        """Global steps in ``epoch``: global batches of the whole data (per-rank shards: of the smallest)."""
+        from torus.integrations.keras.app import data
+        if self.args.synthetic:
+            return self.args.steps
+        per_rank = self.schedule.per_rank_batch(epoch, self.size)
+        steps = self.train_data.count // (per_rank * self.size) if self.train_data.shared \
+            else self.min_count // per_rank
+        if steps < 1:
+            raise data.DataError(f"epoch {epoch}: the training data ({self.train_data.count} images"
+                                 + ("" if self.train_data.shared else f", {self.min_count} in the smallest shard")
+                                 + f") makes no global batch of {per_rank * self.size}")
+        return steps
+
+    def _train_data(self, epoch: int, per_rank: int, steps: int, skip: int = 0):
         import tensorflow as tf
 
         from torus.integrations.keras.app import data
         if self.args.synthetic:
-            dataset = data.synthetic_dataset(batch_size=per_rank, steps=steps, image_size=self.args.image_size,
-                                             num_classes=self.num_classes, seed=self.args.seed + self.rank)
+            dataset = data.synthetic_dataset(batch_size=per_rank, steps=steps - skip,
+                                             image_size=self.args.image_size, num_classes=self.num_classes,
+                                             seed=self.args.seed + self.rank)
         else:
-            dataset = data.train_dataset(self.train_split, epoch=epoch, batch_size=per_rank, steps=steps,
+            dataset = data.train_dataset(self.train_data, epoch=epoch, batch_size=per_rank, steps=steps,
                                          image_size=self.args.image_size, augment=self.augment,
-                                         seed=self.args.seed, rank=self.rank)
+                                         seed=self.args.seed, rank=self.rank, size=self.size, skip=skip)
         num_classes = self.num_classes
 
         def one_hot(images, labels):
@@ -266,21 +296,24 @@ class Trainer:
     def _callbacks(self):
         import keras
 
+        from torus.integrations.keras.app import snapshots
         from torus.integrations.keras.training.callbacks import BatchControl
-        callbacks = self.strategy.callbacks() + [BatchControl(self.schedule, self.lr_rule),
-                                                 _clock_callback(self.clock), _progress_callback(self)]
+        self.batch_control = BatchControl(self.schedule, self.lr_rule, lambda epoch: self.epoch_steps)
+        callbacks = self.strategy.callbacks() + [self.batch_control, _clock_callback(self.clock),
+                                                 _progress_callback(self), snapshots.fit_callback(self)]
         logs = self.args.tensorboard or (self.args.checkpoint_dir and os.path.join(self.args.checkpoint_dir, "logs"))
         if logs and self.rank == 0:
             callbacks.append(keras.callbacks.TensorBoard(logs, update_freq="epoch"))
         return callbacks
 
     def _fit_epoch(self, dataset, epoch: int, steps: int, callbacks) -> dict:
+        self.batch_control.skip = self.skip
         with warnings.catch_warnings():
             # Per-rank batch-norm statistics are this recipe's choice (each rank normalizes its own batch, as
             # Goyal et al. 2017 compute them per worker); the strategy's warning is for users
             # who did not choose them.
             warnings.filterwarnings("ignore", message="TorusStrategy: BatchNormalization layers")
-            history = self.model.fit(dataset, initial_epoch=epoch, epochs=epoch + 1, steps_per_epoch=steps,
+            history = self.model.fit(dataset, initial_epoch=epoch, epochs=epoch + 1, steps_per_epoch=steps - self.skip,
                                      shuffle=False, callbacks=callbacks, verbose=0)
         return {k: float(v[-1]) for k, v in history.history.items()}
 
@@ -308,10 +341,11 @@ class Trainer:
         sums = np.zeros(3)
         bar = _progress_bar(steps, f"epoch {epoch + 1}/{self.args.epochs}", self.bar)
         self.clock.start_epoch()
-        for batch, (x, y) in enumerate(dataset):
+        for batch, (x, y) in enumerate(dataset, start=self.skip):
             optimizer.learning_rate = self.lr_rule.lr(epoch + batch / steps, global_batch)
             loss, correct = self._step(x, y)
             self.clock.step_done()
+            self.snapshot_taker.after_step(epoch, batch + 1, steps, self.history)
             sums += (len(y) * float(loss), float(correct), len(y))
             bar.update(1)
             bar.set_postfix(loss=f"{sums[0] / sums[2]:.4f}", accuracy=f"{sums[1] / sums[2]:.4f}", refresh=False)
@@ -321,9 +355,15 @@ class Trainer:
                 "learning_rate": float(np.asarray(optimizer.learning_rate))}
 
     def run(self) -> dict:
-        from torus.integrations.keras.app import checkpoint, data
+        from torus.integrations.keras.app import checkpoint, data, snapshots
         args = self.args
-        start, history = self._resume()
+        for epoch in range(args.epochs):  # before any step: a rank count that fits no epoch's batch
+            _fit_ranks(self.schedule, epoch, self.size)
+        epoch, history = self._resume()
+        position = snapshots.resume(self, snapshots.Position(epoch, 0, history))
+        start, self.skip, self.history = position.epoch, position.skip, position.history
+        history = self.history
+        self.snapshot_taker = snapshots.Taker(self)
         self.clock = StepClock()
         # rank 0's bar only where a person watches (a terminal), never in a log file
         self.bar = self.rank == 0 and args.verbose == 1 and _launcher_terminal()
@@ -332,12 +372,9 @@ class Trainer:
         for epoch in range(start, args.epochs):
             global_batch = self.schedule.global_batch(epoch)
             per_rank = self.schedule.per_rank_batch(epoch, self.size)
-            steps = args.steps if args.synthetic else self.min_count // per_rank
-            if steps < 1:
-                raise data.DataError(f"epoch {epoch}: the smallest rank's shard ({self.min_count} images) makes "
-                                     f"no batch of {per_rank}")
-            dataset = self._train_data(epoch, per_rank, steps)
-            self.epoch_steps = steps
+            steps = self._steps(epoch)
+            self.epoch, self.epoch_steps = epoch, steps
+            dataset = self._train_data(epoch, per_rank, steps, self.skip)
             t0 = time.perf_counter()
             comm0, exposed0 = self.strategy.host.comm_seconds()
             logs = self._fit_epoch(dataset, epoch, steps, callbacks) if args.trainer == "fit" \
@@ -366,6 +403,8 @@ class Trainer:
             if self.rank == 0 and args.checkpoint_dir:
                 checkpoint.save(args.checkpoint_dir, epoch + 1, self.model,
                                 {"epoch": epoch + 1, "history": history, "args": vars(args)})
+            self.skip = 0
+            self.snapshot_taker.after_epoch(epoch, history)
         if self.strategy.timeline is not None and args.trainer == "loop":  # fit saves it itself
             self.strategy.timeline.save()
         return self._summary(history, time.perf_counter() - t_start)

@@ -21,7 +21,8 @@ What is not in a snapshot, and so not exact after a resume: the metric states of
 logged training metrics cover the batches after the restart), a ``tf.data`` dataset whose order depends on how
 many times this process iterated it (``shuffle(reshuffle_each_iteration=True)``), per-rank random layers and
 BatchNormalization's per-rank statistics (rank 0's are restored). Custom loops call ``strategy.resume`` and
-``strategy.snapshot`` themselves (``Session.resume`` / ``Session.take``).
+``strategy.snapshot`` themselves (``Session.resume`` / ``Session.take``); a process that called ``resume`` owns
+its snapshots, and its ``fit`` calls then take none (torus-train fits epoch by epoch so).
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class Session:
         self._reported = 0.0
         self.fits = 0  # fit calls of this process so far
         self.agreed = False
+        self.manual = False  # the process called resume: it takes its own snapshots, fit none
         self.target: tuple | None = None  # (step, arrays, meta) to resume from, once agreed
         self._stores: dict = {}
 
@@ -116,6 +118,7 @@ class Session:
     def resume(self, variables) -> dict | None:
         """Custom loops (``TorusStrategy.resume``): assign the newest snapshot to ``variables`` and return its
         meta with ``step``; None where there is none (collective)."""
+        self.manual = True
         self.agree(variables)
         if self.target is None:
             return None
@@ -221,7 +224,7 @@ def add_snapshots(call) -> None:
 
     strategy = torus_strategy_of(call.arguments["self"])
     session = getattr(strategy, "snapshots", None)
-    if call.method != "fit" or session is None:
+    if call.method != "fit" or session is None or session.manual:
         return
     x = call.arguments["x"]
     order = x if isinstance(x, inputs.AgreedOrder) else None

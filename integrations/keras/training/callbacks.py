@@ -15,13 +15,15 @@ class BatchControl(keras.callbacks.Callback):
     resumed with ``fit(initial_epoch=e)`` continues with the same batch size and learning rate. The data
     pipeline must batch with ``batch_schedule.per_rank_batch(epoch, size)`` (e.g. one ``fit`` per
     ``batch_schedule.segments(...)`` entry). The optimizer's learning rate must be a float (a variable), not a
-    schedule: ``TypeError`` otherwise.
+    schedule: ``TypeError`` otherwise. ``skip``: batches of the current epoch done before this ``fit`` (a run
+    resumed within an epoch fits the rest of it), counted into the position.
     """
 
     def __init__(self, batch_schedule, lr_rule, steps_per_epoch_fn=None):
         super().__init__()
         self.batch_schedule, self.lr_rule, self.steps_per_epoch_fn = batch_schedule, lr_rule, steps_per_epoch_fn
         self._epoch, self._steps = 0, 1
+        self.skip = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -35,7 +37,7 @@ class BatchControl(keras.callbacks.Callback):
         return self.lr_rule.lr(epoch + batch / self._steps, self.batch_schedule.global_batch(epoch))
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.model.optimizer.learning_rate = self.lr(self._epoch, batch)
+        self.model.optimizer.learning_rate = self.lr(self._epoch, self.skip + batch)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
