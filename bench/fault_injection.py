@@ -1,5 +1,6 @@
-"""Fault injection: a plain Keras ``fit`` job (bench/fault_job.py) under torus-run across emulated hosts, one fault
-per trial, and what the recovery costs (issue 42, "Done when").
+"""Fault injection: a plain Keras ``fit`` job (bench/fault_job.py) or torus-train (``--job train``:
+bench/fault_train_job.py) under torus-run across emulated hosts, one fault per trial, and what the recovery
+costs (issue 42, "Done when").
 
     nice -n 5 .venv/bin/python bench/fault_injection.py --hosts 3 --ppn 1 --trials 10    # as root
 
@@ -50,11 +51,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.cluster import Cluster, child_env, unavailable  # noqa: E402
 
-JOB = ROOT / "bench" / "fault_job.py"
+JOBS = {"fit": (ROOT / "bench" / "fault_job.py", 29),  # 1,740 rows, global batch 60: steps an epoch
+        "train": (ROOT / "bench" / "fault_train_job.py", 23)}  # torus-train, 1,437 digits, global batch 60
 WRAPPER = ROOT / "bench" / "fault_rank.sh"
 RESULTS = ROOT / "bench" / "results"
 WORK = Path("/tmp/torus-fi")
-STEPS_PER_EPOCH = 29  # fault_job.py: 1,740 rows, global batch 60
 KINDS = ("kill", "link", "host")
 RUN_LIMIT_S = 900  # one torus-run, references and trials alike
 QUIET_S = 150  # no output from torus-run and no step logged for this long: a hang (a relaunch's start-up: < 60 s)
@@ -139,8 +140,9 @@ class Bench:
     def __init__(self, args, cluster: Cluster, command: str):
         self.args, self.cluster, self.command = args, cluster, command
         self.rng = random.Random(args.seed)
-        self.total = args.epochs * STEPS_PER_EPOCH
-        self.config = f"{args.hosts}x{args.ppn}"
+        self.job, steps_per_epoch = JOBS[args.job]
+        self.total = args.epochs * steps_per_epoch
+        self.config = f"{args.hosts}x{args.ppn}" + ("" if args.job == "fit" else f"-{args.job}")
         self.running: subprocess.Popen | None = None
         line = cluster.mpiexec(ppn=args.ppn)
         at = line.index("-hosts")
@@ -156,7 +158,7 @@ class Bench:
         hostfile.write_text("".join(f"{a}:{self.args.ppn}\n" for a in self.cluster.addresses[:hosts]))
         cmd = [sys.executable, "-m", "torus.supervise.cli", "--hostfile", str(hostfile), "--mpiexec-args",
                self.launcher_args, "--job-id", name, "--max-restarts", "3", "--", str(WRAPPER), sys.executable,
-               str(JOB)]
+               str(self.job)]
         env = child_env(TORUS_TIMEOUT=str(self.args.timeout), TORUS_SNAPSHOT_STEPS=str(self.args.snapshot_steps),
                         TORUS_SNAPSHOT_SECONDS=str(self.args.snapshot_seconds), FI_EPOCHS=str(self.args.epochs),
                         FI_LOG=str(folder / "steps.log"), FI_PIDS=str(folder / "pids"),
@@ -438,7 +440,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default="1gbit", help="tc rate per host link")
     ap.add_argument("--trials", type=int, default=10, help="trials of each fault kind")
     ap.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, in turn: kill,link,host")
-    ap.add_argument("--epochs", type=int, default=12, help="fault_job.py's epochs (29 steps each)")
+    ap.add_argument("--job", default="fit", choices=sorted(JOBS), help="fit: bench/fault_job.py (a plain Keras "
+                    "fit script); train: bench/fault_train_job.py (torus-train --model tiny-nobn)")
+    ap.add_argument("--epochs", type=int, default=12, help="the job's epochs (fit: 29 steps each, train: 23)")
     ap.add_argument("--timeout", type=float, default=20.0, help="TORUS_TIMEOUT (s)")
     ap.add_argument("--snapshot-steps", type=int, default=20)
     ap.add_argument("--snapshot-seconds", type=float, default=5.0)
