@@ -1,4 +1,4 @@
-"""Input pipelines for ImageNet-style data with tf.data: one shard per rank, parallel decode, prefetch,
+"""Input pipelines for ImageNet-style data with tf.data: global batches (folders) or one shard per rank (TFRecords),
 per-epoch deterministic order, and the augmentations Mikami et al. 2018 (arXiv:1811.05233, section 3) list.
 
 Two layouts are read, both under ``root``:
