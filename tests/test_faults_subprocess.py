@@ -6,8 +6,9 @@ the job ends but ``mpiexec`` may exit 0 (see STATUS_MAY_BE_ZERO).
 How each kind of leaving ends the job (see torus/faults.py): a signal or ``os._exit`` -- hydra kills the rest;
 an uncaught exception -- torus.faults.abort_on_exception calls MPI_Abort on that rank; ``sys.exit`` (any
 status) or a rank stuck elsewhere -- the survivors' stall timeout (TORUS_TIMEOUT=3 here) raises TimeoutError,
-uncaught, so they abort. The 60 s bound is generous (a correctness property: the job ends), not a speed check.
-Budget: 9 jobs of 3 ranks, 2 to 6 s each, about 35 s in all.
+uncaught, so they abort, with the hook or without it (library use: the stall installs it). The 60 s bound is
+generous (a correctness property: the job ends), not a speed check.
+Budget: 11 jobs of 3 ranks, 2 to 6 s each, about 45 s in all.
 """
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ TORUS_ENDS_IT = {"sys.exit(0)", "sys.exit(1)", "stuck"}
 STATUS_MAY_BE_ZERO = {"os._exit(0)"}
 
 
-def _job(mode: str, check: bool, python_args=(), algorithm: str = "ring", **env_vars) -> tuple[int, float, str]:
+def _job(mode: str, check: bool, python_args=(), algorithm: str = "ring", library: bool = False,
+         **env_vars) -> tuple[int, float, str]:
     """Run the worker under ``mpiexec -n 3``; return (exit status, seconds, merged output), killed whole past
-    the bound (tests/jobs.py)."""
+    the bound (tests/jobs.py). ``library``: the worker installs no abort hook (plain library use)."""
     cmd = [jobs.mpiexec(), "-n", "3", sys.executable, *python_args, __file__, mode, "check" if check else "nocheck",
-           algorithm]
+           algorithm, "library" if library else "hook"]
     env = {**os.environ, "TORUS_TIMEOUT": "3", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env_vars}
     return jobs.run(cmd, env, BOUND_S + 30, f"mpiexec with rank 2 leaving by {mode}")
 
@@ -81,6 +83,17 @@ def test_a_rank_whose_python_exits_is_named_before_the_stall_timeout(algorithm, 
     said = [r for r in (0, 1) if f"allreduce({algorithm}) on rank {r}: rank 2 left the job" in out]
     assert said and "no progress for" not in out and "uncaught TimeoutError" in out, tail
     assert after in out, tail
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "shm"])
+def test_a_stall_in_library_use_ends_the_job(algorithm):
+    """No abort hook installed (library use, issue 43): rank 2 is stuck in its own code; the survivors' stall
+    timeout (3 s), left uncaught, ends the whole job with PEER_LOST_EXIT instead of leaving them in
+    MPI_Finalize at exit until the stuck rank ends (shm's own wait and the step loops' included)."""
+    rc, seconds, out = _job("stuck", True, algorithm=algorithm, library=True)
+    tail = out[-3000:]
+    assert rc == 75 and seconds < BOUND_S, f"status {rc} after {seconds:.0f} s:\n{tail}"
+    assert "uncaught TimeoutError; aborting the MPI job" in out and "calling MPI_Abort(75)" in out, tail
 
 
 def test_mpi4py_launcher_aborts_on_sys_exit():
@@ -126,13 +139,14 @@ def test_abort_on_exception_prints_then_aborts(monkeypatch, capfd, exc, status):
     assert exits == [status] and "MPI_Abort returned; exiting with status" in err.splitlines()[-1]
 
 
-def worker(mode: str, check: bool, algorithm: str) -> None:
+def worker(mode: str, check: bool, algorithm: str, library: bool) -> None:
     import numpy as np
 
     import torus
     from torus import faults
 
-    faults.abort_on_exception()
+    if not library:
+        faults.abort_on_exception()
     tc = torus.TorusComm(check=check)
     x = np.ones(1000)
     tc.allreduce(x, algorithm="shm")  # opens the window (where a departed rank leaves its mark), as fit does
@@ -145,4 +159,4 @@ def worker(mode: str, check: bool, algorithm: str) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2] == "check", sys.argv[3])
+    worker(sys.argv[1], sys.argv[2] == "check", sys.argv[3], sys.argv[4] == "library")

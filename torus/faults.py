@@ -14,7 +14,8 @@ the job hangs. This module closes that gap:
   shared memory at once, in :func:`wait` after ``LEFT_GRACE_S``).
 - :func:`wait` polls an MPI request under the stall timeout (``TorusComm(timeout=...)``, ``TORUS_TIMEOUT``):
   every torus collective raises :class:`torus.errors.TimeoutError` naming the operation after ``timeout``
-  seconds without progress; a rank that raised one arms the watchdog at exit.
+  seconds without progress; from then on (:func:`stalled`) an uncaught exception aborts the job, in library use
+  too (``TORUS_ABORT_ON_STALL=0`` opts out), and the watchdog is armed at exit.
 
 Not covered: a survivor blocked in an MPI call outside torus (``algorithm="native"``, the caller's own
 ``comm.Allreduce``) waits forever, since MPI's blocking calls have no timeout. What hydra does by itself in
@@ -41,7 +42,7 @@ ABORT_GRACE_S = 0.5
 # cut off or is stuck, so the job may succeed when relaunched. torus-run relaunches on it (torus/supervise/).
 PEER_LOST_EXIT = 75
 # In a stall timeout's message when the peer's Python exited (it left on purpose: a relaunch would repeat it).
-_PYTHON_EXITED = "left the job (Python exited there)"
+PYTHON_EXITED = "left the job (Python exited there)"
 EXIT_AFTER_STALL = 3  # the watchdog at exit after a stall: this many abort timeouts
 _stalled = False  # set when this process raised a stall timeout: its communicators may never finish
 # A wait that has run this long while a peer's Python has exited raises: that peer cannot take part in a
@@ -72,14 +73,14 @@ def wait(req: MPI.Request, timeout: float | None, message) -> None:
         os.sched_yield()
         now = time.monotonic()
         if now > deadline:
-            _stall()
+            stalled()
             raise TorusTimeout(message())
         if _left_probes and now > probe:
             probe = now + _PROBE_EVERY_S
             left = next((who for who in (p() for p in list(_left_probes.values())) if who), "")
             if left and now - start > LEFT_GRACE_S:
-                _stall()
-                raise TorusTimeout(f"{message().split(': ', 1)[0]}: {left} {_PYTHON_EXITED} "
+                stalled()
+                raise TorusTimeout(f"{message().split(': ', 1)[0]}: {left} {PYTHON_EXITED} "
                                    f"while this rank waits ({now - start:.1f} s into this wait): every "
                                    "rank must make the same collective calls (under TorusStrategy, fit, "
                                    "evaluate and predict too: call them on every rank, not on rank 0 alone)")
@@ -104,11 +105,17 @@ def _announce_exit() -> None:
         notice()
 
 
-def _stall() -> None:
-    """Remember the stall: at Python's exit arm the watchdog, since MPI_Finalize may then wait forever."""
+def stalled() -> None:
+    """Called by every raise of a stall timeout (or a departed peer): from then on an uncaught exception ends the
+    whole job at once (:func:`abort_on_exception` with :data:`PEER_LOST_EXIT`, unless a hook is installed
+    already or ``TORUS_ABORT_ON_STALL=0``), and at Python's exit the watchdog is armed, since MPI_Finalize may
+    wait forever for the stuck peer (the stuck rank is alive: the launcher ends it only when another rank's
+    process ends). A caught stall timeout changes nothing until the exit."""
     global _stalled
     if not _stalled:
         _stalled = True
+        if knobs.read("TORUS_ABORT_ON_STALL") and not hasattr(sys.excepthook, "torus_previous"):
+            abort_on_exception()
         # Three abort timeouts: Python's own exit (TensorFlow's teardown, other atexit handlers) runs first and
         # can outlast one abort timeout on a loaded machine (docs/performance.md, "Where the constants come from").
         atexit.register(lambda: watchdog("exiting after a stall timeout", EXIT_AFTER_STALL * _timeout_s()))
@@ -186,7 +193,7 @@ def peer_lost(exc_type, exc) -> bool:
         text = found.group(1)
     else:
         return False
-    return _PYTHON_EXITED not in text
+    return PYTHON_EXITED not in text
 
 
 def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:

@@ -129,6 +129,7 @@ class Executor:
 
     def stalled(self, what: str, step: int, nsteps: int, msg: _Message):
         """Raise the TimeoutError ``wait`` raises (for the C step loop, which detects the stall itself)."""
+        faults.stalled()
         raise TorusTimeout(self._stall(what, step, nsteps, msg))
 
     def wait_sends(self, reqs: list, sids: tuple, plan: CompiledPlan, what: str) -> None:

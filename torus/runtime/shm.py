@@ -282,11 +282,13 @@ class SharedMemory:
             raise MismatchError(message)
         if status == _shm.PEER_LEFT:
             self._broken = f"rank {who} left the job"
-            raise TorusTimeout(f"{what} on rank {me}: rank {who} left the job (its Python exited) at step "
+            faults.stalled()
+            raise TorusTimeout(f"{what} on rank {me}: rank {who} {faults.PYTHON_EXITED} at step "
                                f"{step + 1}/{nsteps} without this call's data, which it never made: every rank "
                                "must make the same collective calls; abort the job")
         waited = "copy in its input" if status == _shm.STALLED_COPY else "publish its reduced chunk"
         self._broken = f"rank {who} stalled"
+        faults.stalled()
         raise TorusTimeout(f"{what} on rank {me}: no progress for {self.timeout:g} s at step "
                            f"{step + 1}/{nsteps} waiting on rank {who} of the shared-memory window to {waited} "
                            "(a peer died, stalled or called a different collective); the communicator is "
