@@ -162,8 +162,9 @@ def _without_terminal_options(args: list) -> list:
 def _all_suites(args, tmp: Path) -> int:
     py = sys.executable
     mpiexec = shutil.which("mpiexec", path=str(Path(py).parent)) or shutil.which("mpiexec")
+    # the flight records that the suites' stall tests dump go to the run's own folder, not the checkout
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               TF_CPP_MIN_LOG_LEVEL="2")
+               TF_CPP_MIN_LOG_LEVEL="2", TORUS_TRACE_DIR=os.environ.get("TORUS_TRACE_DIR", str(tmp / "traces")))
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     failures: list[str] = []
     crashes: list[str] = []

@@ -19,7 +19,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from torus import agreement, buffers, kernels, knobs, link, options
+from torus import agreement, buffers, kernels, knobs, link, options, recorder
+from torus.errors import TimeoutError as TorusTimeout
 from torus.errors import TorusError
 from torus.runtime import memory
 from torus.runtime.executor import Executor
@@ -129,6 +130,7 @@ class TorusComm:
         self._announcements: list = []  # error reports posted and not yet completed (agreement.py)
         self._released = False  # Free was called
         self._options = o
+        self.recorder = recorder.Recorder(self.comm)  # collective: the id that names it in every rank's dump
 
     def auto_choice(self, collective: str, nbytes: int, in_place: bool = False) -> str:
         """What ``algorithm="auto"`` runs for ``collective`` on ``nbytes`` bytes (torus/select.py), before the
@@ -153,12 +155,27 @@ class TorusComm:
         return bool(self._node_shm)
 
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
+        """One call, recorded by the flight recorder (torus/recorder.py); a stall timeout dumps it."""
+        record = self.recorder.begin(spec.name)
+        try:
+            result = self._run(record, spec, sendbuf, recvbuf, op, algorithm, recvcounts)
+        except BaseException as exc:
+            recorder.fail(record, exc)
+            if isinstance(exc, TorusTimeout) and record is not None:
+                recorder.on_stall(self.recorder, exc)
+            raise
+        recorder.end(record)
+        return result
+
+    def _run(self, record, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
         """Resolve, choose, agree and run one call; returns what the collective returns."""
         self._usable(spec.name)
         if isinstance(op, MPI.Op):  # mpi4py's habit: MPI.SUM etc. name the same reductions
             op = next((name for mpi_op, name in _MPI_OPS if op == mpi_op), op)
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)
         algo, phased, mine, pre, scale = self._shapes.get(spec.name, algorithm, op, p)
+        if record is not None:
+            record[recorder.COUNT:recorder.ALGORITHM + 1] = p.count, p.dtype.name, algo
         self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
         # Over shared memory the signature rides in every step's header (torus/runtime/shm.py), so once the
         # window is open the separate all-gather is skipped (what that misses: torus/agreement.py).

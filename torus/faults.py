@@ -33,7 +33,7 @@ import time
 
 from mpi4py import MPI
 
-from torus import knobs
+from torus import knobs, recorder
 from torus.errors import TimeoutError as TorusTimeout
 
 # Seconds between an uncaught exception's report and MPI_Abort, so the launcher forwards the report first.
@@ -219,6 +219,7 @@ def abort_on_exception(comm: MPI.Comm | None = None, status: int = 1) -> None:
         sys.stderr.flush()
         previous(exc_type, exc, tb)
         sys.stderr.flush()
+        recorder.dump(f"uncaught {name}: {message}")  # what torus.doctor reads (the stall's dump is newer: kept)
         # Give the launcher's output forwarding a moment to drain before Abort tears the job down.
         time.sleep(ABORT_GRACE_S)
         interrupted = issubclass(exc_type, KeyboardInterrupt)

@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -258,6 +259,7 @@ def child_env(**extra: str) -> dict:
     would join this job) and without TORUS_RANKS_PER_NODE (nodes must come from the hosts)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "HYDRA_", "MPI_LOCAL")) and k != "TORUS_RANKS_PER_NODE"}
+    env.setdefault("TORUS_TRACE_DIR", os.path.join(tempfile.gettempdir(), "torus-traces"))  # not the checkout
     return dict(env, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **extra)
 
 

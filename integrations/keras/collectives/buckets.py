@@ -37,7 +37,7 @@ from collections import OrderedDict
 import numpy as np
 import tensorflow as tf
 
-from torus import IN_PLACE, agreement, kernels
+from torus import IN_PLACE, agreement, kernels, recorder
 from torus.errors import MismatchError
 from torus.integrations.keras.collectives.window import pack
 
@@ -149,10 +149,15 @@ class Buckets:
         t0 = time.perf_counter()
         host, tc = self.host, self.host.torus_comm
         op = self._layouts[layout][0]
-        if wire is None and not windowed:
-            out = tc.allreduce(buf, np.empty_like(buf), op=op, algorithm=host.algorithm)
-        else:
-            tc.allreduce(IN_PLACE, buf, op=op, algorithm=host.algorithm)
+        recorder.caller.value = f"keras gradient bucket {bucket} (layout {layout})"
+        try:
+            if wire is None and not windowed:
+                out = tc.allreduce(buf, np.empty_like(buf), op=op, algorithm=host.algorithm)
+            else:
+                tc.allreduce(IN_PLACE, buf, op=op, algorithm=host.algorithm)
+        finally:
+            recorder.caller.value = "user"
+        if wire is not None or windowed:
             out = np.empty(buf.size, dtype)
             if wire is None:
                 np.copyto(out, buf)

@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from torus import IN_PLACE, faults, kernels, knobs
+from torus import IN_PLACE, faults, kernels, knobs, recorder
 from torus.errors import MismatchError
 from torus.integrations.keras.collectives.buckets import BUCKET_BYTES, BUCKET_GROWTH, Buckets, allreduce_bucketed
 from torus.integrations.keras.collectives.window import WindowBuffers
@@ -197,13 +197,17 @@ class HostAllreduce:
     def _reduce(self, op: str, bufs, groups):
         t0 = time.perf_counter()
         out, k = [], 0
-        for n in groups or (0,) * len(bufs):
-            if n:
-                pieces = [np.asarray(b) for b in bufs[k:k + n]]
-                out += self.windows.allreduce(pieces, op, self.algorithm, self.wire_of(pieces[0].dtype))
-            else:
-                out.append(self._one(np.asarray(bufs[k]), op))
-            k += n or 1
+        recorder.caller.value = f"keras {self.name}"
+        try:
+            for n in groups or (0,) * len(bufs):
+                if n:
+                    pieces = [np.asarray(b) for b in bufs[k:k + n]]
+                    out += self.windows.allreduce(pieces, op, self.algorithm, self.wire_of(pieces[0].dtype))
+                else:
+                    out.append(self._one(np.asarray(bufs[k]), op))
+                k += n or 1
+        finally:
+            recorder.caller.value = "user"
         t1 = time.perf_counter()
         self.seconds += t1 - t0
         self.calls += 1
