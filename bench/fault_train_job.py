@@ -2,9 +2,9 @@
 embedded digits at 8x8 pixels, global batch 60 (23 steps an epoch, divisible by 1..6 ranks), ``FI_EPOCHS``
 epochs (default 12), SGD with momentum at 0.2 (the ResNet-50 recipe's LARS at 4.0 diverges on this model
 without batch normalization, and a diverging run ends far apart at different rank counts), one thread per
-rank. Uninterrupted, 1, 2 and 3 ranks end within 1.5e-6 of each other (weights up to 2.1). Under torus-run it snapshots and resumes by itself
-(app/snapshots.py); nothing here knows about faults. The same three bench additions as bench/fault_job.py, all
-outside the training:
+rank. Uninterrupted, 1, 2 and 3 ranks end within 1.5e-6 of each other (weights up to 2.1). Under torus-run
+it snapshots and resumes by itself (app/snapshots.py); nothing here knows about faults. The same three bench
+additions as bench/fault_job.py, all outside the training:
 
 - ``FI_LOG``: rank 0 appends ``<unix time> <TORUS_RESTART> <optimizer step> <ranks>`` after every step;
 - ``FI_PIDS``: every rank writes ``<folder>/<restart>-<rank>`` = ``<pid> <PMI_HOSTNAME>`` at start;

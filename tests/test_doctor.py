@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from torus import doctor, recorder
@@ -107,11 +108,10 @@ def test_recorder_keeps_the_last_calls(capacity, monkeypatch):
             return MPI.COMM_SELF.Get_group()
     rec = recorder.Recorder(_Comm(), capacity)
     for i in range(5):
-        r = rec.begin("allreduce")
-        if capacity:
-            r[recorder.COUNT:recorder.ALGORITHM + 1] = 10 + i, "float32", "shm"
-        recorder.end(r)
+        if rec.capacity:
+            recorder.end(rec.begin("allreduce", 10 + i, np.dtype(np.float32), "shm"))
     held = rec.records()
     assert [h["seq"] for h in held] == ([3, 4, 5] if capacity else [])
-    assert all(h["state"] == "done" and h["transport"] == "shared memory" for h in held)
+    assert all(h["state"] == "done" and h["transport"] == "shared memory" and h["dtype"] == "float32"
+               for h in held)
     assert [h["count"] for h in held] == ([12, 13, 14] if capacity else [])

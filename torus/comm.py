@@ -155,27 +155,28 @@ class TorusComm:
         return bool(self._node_shm)
 
     def _call(self, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
-        """One call, recorded by the flight recorder (torus/recorder.py); a stall timeout dumps it."""
-        record = self.recorder.begin(spec.name)
-        try:
-            result = self._run(record, spec, sendbuf, recvbuf, op, algorithm, recvcounts)
-        except BaseException as exc:
-            recorder.fail(record, exc)
-            if isinstance(exc, TorusTimeout) and record is not None:
-                recorder.on_stall(self.recorder, exc)
-            raise
-        recorder.end(record)
-        return result
-
-    def _run(self, record, spec, sendbuf, recvbuf, op: str, algorithm: str, recvcounts=None):
-        """Resolve, choose, agree and run one call; returns what the collective returns."""
+        """Resolve, choose, agree and run one call; returns what the collective returns. The flight recorder
+        (torus/recorder.py) holds the call from its choice on; a stall timeout dumps it."""
         self._usable(spec.name)
         if isinstance(op, MPI.Op):  # mpi4py's habit: MPI.SUM etc. name the same reductions
             op = next((name for mpi_op, name in _MPI_OPS if op == mpi_op), op)
         p = buffers.resolve(spec, self.rank, self.size, sendbuf, recvbuf, op, recvcounts)
         algo, phased, mine, pre, scale = self._shapes.get(spec.name, algorithm, op, p)
-        if record is not None:
-            record[recorder.COUNT:recorder.ALGORITHM + 1] = p.count, p.dtype.name, algo
+        if not self.recorder.capacity:
+            return self._run(spec, p, op, algo, phased, mine, pre, scale)
+        record = self.recorder.begin(spec.name, p.count, p.dtype, algo)
+        try:
+            result = self._run(spec, p, op, algo, phased, mine, pre, scale)
+        except BaseException as exc:
+            recorder.fail(record, exc)
+            if isinstance(exc, TorusTimeout):
+                recorder.on_stall(self.recorder, exc)
+            raise
+        recorder.end(record)
+        return result
+
+    def _run(self, spec, p, op: str, algo: str, phased, mine, pre, scale):
+        """Agree and run one resolved call (``p``: its placement; ``algo`` etc.: Shapes.get's choice)."""
         self._agreeing = True  # from here on an error is the communication's, not this rank's arguments
         # Over shared memory the signature rides in every step's header (torus/runtime/shm.py), so once the
         # window is open the separate all-gather is skipped (what that misses: torus/agreement.py).

@@ -7,7 +7,7 @@ number on every rank while the ranks agree), the operation, count (elements) and
 its transport, who called (``caller``: the Keras layer names its gradient bucket or all-reduce; else
 "user"), wall-clock start and end (``time.time()``: comparable across hosts as far as their clocks agree),
 its state (running, done, failed) and, for a failure, the error's message (a stall timeout's names the step
-reached and the peer waited on). Cost: one list store and two clock reads per call (bench/README.md,
+reached and the peer waited on). Cost: one short list and two clock reads per call (bench/README.md,
 "Flight recorder").
 
 Dumps (:func:`dump`) go to ``TORUS_TRACE_DIR`` (default: the working directory) as
@@ -37,7 +37,13 @@ from mpi4py import MPI
 from torus import knobs
 
 GATHER_S = 1.5  # the diagnosing rank waits this long for its peers' dumps (they time out at about the same time)
-caller = threading.local()  # .value: who makes the calls on this thread (the Keras layer sets it)
+
+
+class _Caller(threading.local):
+    value = "user"  # a class default: a missing attribute of a thread-local would cost an exception per call
+
+
+caller = _Caller()  # .value: who makes the calls on this thread (the Keras layer sets it)
 _recorders: weakref.WeakSet = weakref.WeakSet()
 _signal_installed = False
 
@@ -67,34 +73,30 @@ class Recorder:
         _recorders.add(self)
         _install_signal()
 
-    def begin(self, op: str) -> list | None:
-        """A new call of ``op`` (its count, dtype and algorithm filled in once resolved); None when off."""
-        if not self.capacity:
-            return None
-        self.seq += 1
-        record = [self.seq, op, None, None, None, getattr(caller, "value", "user"), time.time(), None, "running",
-                  None]
-        self._ring[self.seq % self.capacity] = record
+    def begin(self, op: str, count: int, dtype, algorithm: str) -> list:
+        """A new call (``dtype``: a numpy dtype, named at the dump); the caller checks ``capacity`` first. The
+        record is a list, and ``end`` / ``fail`` complete it (the cost: bench/README.md, "Flight recorder")."""
+        seq = self.seq = self.seq + 1
+        record = [seq, op, count, dtype, algorithm, caller.value, time.time(), None, "running", None]
+        self._ring[seq % self.capacity] = record
         return record
 
     def records(self) -> list[dict]:
         """The calls held, oldest first."""
-        held = [r for r in self._ring if r is not None]
-        return [dict(zip(FIELDS, r), transport=transport(r[ALGORITHM] or "")) for r in sorted(held)]
+        held = sorted((r for r in self._ring if r is not None), key=lambda r: r[SEQ])
+        return [dict(zip(FIELDS, r), dtype=str(r[DTYPE]), transport=transport(r[ALGORITHM])) for r in held]
 
     def state(self) -> dict:
         return {"comm_id": self.comm_id, "rank": self.rank, "size": self.size, "world_ranks": self.world_ranks,
                 "calls": self.seq, "records": self.records()}
 
 
-def end(record: list | None) -> None:
-    if record is not None:
-        record[END], record[STATE] = time.time(), "done"
+def end(record: list) -> None:
+    record[END], record[STATE] = time.time(), "done"
 
 
-def fail(record: list | None, exc: BaseException) -> None:
-    if record is not None:
-        record[END], record[STATE], record[ERROR] = time.time(), "failed", f"{type(exc).__name__}: {exc}"
+def fail(record: list, exc: BaseException) -> None:
+    record[END], record[STATE], record[ERROR] = time.time(), "failed", f"{type(exc).__name__}: {exc}"
 
 
 def trace_dir() -> Path:
