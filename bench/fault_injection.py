@@ -51,8 +51,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.cluster import Cluster, child_env, unavailable  # noqa: E402
 
-JOBS = {"fit": (ROOT / "bench" / "fault_job.py", 29),  # 1,740 rows, global batch 60: steps an epoch
-        "train": (ROOT / "bench" / "fault_train_job.py", 23)}  # torus-train, 1,437 digits, global batch 60
+# the job, its steps an epoch, and its environment
+JOBS = {"fit": (ROOT / "bench" / "fault_job.py", 29, {}),  # 1,740 rows, global batch 60
+        "train": (ROOT / "bench" / "fault_train_job.py", 23, {}),  # torus-train, 1,437 digits, global batch 60
+        "resnet50": (ROOT / "bench" / "fault_train_job.py", 20, {"FI_MODEL": "resnet50"})}  # synthetic data
 WRAPPER = ROOT / "bench" / "fault_rank.sh"
 RESULTS = ROOT / "bench" / "results"
 WORK = Path("/tmp/torus-fi")
@@ -140,7 +142,7 @@ class Bench:
     def __init__(self, args, cluster: Cluster, command: str):
         self.args, self.cluster, self.command = args, cluster, command
         self.rng = random.Random(args.seed)
-        self.job, steps_per_epoch = JOBS[args.job]
+        self.job, steps_per_epoch, self.job_env = JOBS[args.job]
         self.total = args.epochs * steps_per_epoch
         self.config = f"{args.hosts}x{args.ppn}" + ("" if args.job == "fit" else f"-{args.job}")
         self.running: subprocess.Popen | None = None
@@ -162,7 +164,7 @@ class Bench:
         env = child_env(TORUS_TIMEOUT=str(self.args.timeout), TORUS_SNAPSHOT_STEPS=str(self.args.snapshot_steps),
                         TORUS_SNAPSHOT_SECONDS=str(self.args.snapshot_seconds), FI_EPOCHS=str(self.args.epochs),
                         FI_LOG=str(folder / "steps.log"), FI_PIDS=str(folder / "pids"),
-                        FI_SNAP_ROOT=str(folder / "snap"), FI_OUT=str(folder / "weights.npz"))
+                        FI_SNAP_ROOT=str(folder / "snap"), FI_OUT=str(folder / "weights.npz"), **self.job_env)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 cwd=ROOT, start_new_session=True)
         self.running = proc
@@ -441,8 +443,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=10, help="trials of each fault kind")
     ap.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, in turn: kill,link,host")
     ap.add_argument("--job", default="fit", choices=sorted(JOBS), help="fit: bench/fault_job.py (a plain Keras "
-                    "fit script); train: bench/fault_train_job.py (torus-train --model tiny-nobn)")
-    ap.add_argument("--epochs", type=int, default=12, help="the job's epochs (fit: 29 steps each, train: 23)")
+                    "fit script); train: bench/fault_train_job.py (torus-train --model tiny-nobn); resnet50: the "
+                    "same with torus-train's ResNet-50 on synthetic 32x32 images (per-rank random data: its "
+                    "weights are not compared)")
+    ap.add_argument("--epochs", type=int, default=12, help="the job's epochs (fit: 29 steps each, train: 23, "
+                    "resnet50: 20)")
     ap.add_argument("--timeout", type=float, default=20.0, help="TORUS_TIMEOUT (s)")
     ap.add_argument("--snapshot-steps", type=int, default=20)
     ap.add_argument("--snapshot-seconds", type=float, default=5.0)

@@ -9,6 +9,9 @@ additions as bench/fault_job.py, all outside the training:
 - ``FI_LOG``: rank 0 appends ``<unix time> <TORUS_RESTART> <optimizer step> <ranks>`` after every step;
 - ``FI_PIDS``: every rank writes ``<folder>/<restart>-<rank>`` = ``<pid> <PMI_HOSTNAME>`` at start;
 - ``FI_OUT``: rank 0 saves the final trainable weights (an .npz, ``w0``, ``w1``, ...).
+
+``FI_MODEL=resnet50``: ResNet-50 on synthetic 32x32 images instead, global batch 12, 20 steps an epoch (per-rank
+random data: for the recovery's timing, not its weights).
 """
 from __future__ import annotations
 
@@ -50,9 +53,14 @@ def main() -> int:
                                               for k, v in enumerate(self.model.trainable_variables)})
         return summary
     trainer.Trainer.run = run_and_save
-    return cli.main(["--model", "tiny-nobn", "--image-size", "8", "--epochs", str(EPOCHS), "--batch-schedule",
-                     "0:60", "--warmup-epochs", "1", "--optimizer", "sgd", "--lr", "0.2", "--base-batch", "60",
-                     "--threads", "1", "--verbose", "0", *sys.argv[1:]])
+    if os.environ.get("FI_MODEL") == "resnet50":  # fault_injection.py --job resnet50: 20 steps an epoch
+        model = ["--model", "resnet50", "--synthetic", "--image-size", "32", "--steps", "20", "--batch-schedule",
+                 "0:12"]
+    else:
+        model = ["--model", "tiny-nobn", "--image-size", "8", "--batch-schedule", "0:60", "--optimizer", "sgd",
+                 "--lr", "0.2", "--base-batch", "60"]
+    return cli.main([*model, "--epochs", str(EPOCHS), "--warmup-epochs", "1", "--threads", "1", "--verbose", "0",
+                     *sys.argv[1:]])
 
 
 if __name__ == "__main__":
