@@ -1,6 +1,7 @@
 """torus.doctor on flight records built here (one process): the parting call and the rank named for a rank that
-never entered a call, for ranks that called different collectives, for a rank that left no record, and no
-problem named for a healthy job dumped with ranks a call apart; the command line's exit statuses.
+never entered a call, for ranks that called different collectives, for every rank timed out in one call (a cut
+link), for a rank that left no record, and no problem named for a healthy job dumped with ranks a call apart;
+the command line's exit statuses; the recorder's ring.
 """
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def test_ranks_that_call_different_collectives_are_named():
     text = "\n".join(doctor.diagnose(dumps))
     assert "the ranks part at call #4: they called different collectives:" in text
     assert "- ranks 0, 2: allreduce of 1004 float32" in text and "- rank 1: allreduce of 1005 float32" in text
+
+
+def test_every_rank_waiting_in_one_call_names_each_ones_peer():
+    """A cut link: every rank entered call #3 and timed out there, each waiting on a peer across the cut."""
+    ok = [_record(s) for s in (1, 2)]
+    wait = "TimeoutError: allreduce(ring) on rank {r}: no progress for 3 s at step 1/6 waiting on rank {p} of ..."
+    dumps = [_dump(r, ok + [_record(3, "failed", error=wait.format(r=r, p=p))], size=4)
+             for r, p in ((0, 3), (1, 2), (2, 1), (3, 0))]
+    text = "\n".join(doctor.diagnose(dumps))
+    assert "the ranks part at call #3, allreduce of 1000 float32" in text, text
+    for r, p in ((0, 3), (1, 2), (2, 1), (3, 0)):
+        assert f"- rank {r} timed out at step 1/6 waiting on rank {p}" in text, text
 
 
 def test_a_rank_without_a_dump_is_named():

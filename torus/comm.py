@@ -130,7 +130,8 @@ class TorusComm:
         self._announcements: list = []  # error reports posted and not yet completed (agreement.py)
         self._released = False  # Free was called
         self._options = o
-        self.recorder = recorder.Recorder(self.comm)  # collective: the id that names it in every rank's dump
+        # collective: the id that names it in every rank's dump
+        self.recorder = recorder.Recorder(self.comm, node=self.node)
 
     def auto_choice(self, collective: str, nbytes: int, in_place: bool = False) -> str:
         """What ``algorithm="auto"`` runs for ``collective`` on ``nbytes`` bytes (torus/select.py), before the

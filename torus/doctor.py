@@ -2,9 +2,10 @@
 (``torus-trace-rank*.json``, written by torus.recorder; gather them from every host into DIR first).
 
 For each communicator (its id is the same in every rank's dump): the first call where the ranks part, and
-who is where. The ranks part at the first sequence number that some rank never entered (its last call is an
-earlier one: it is behind, stuck in its own code, stopped, or gone) or where ranks called different
-collectives; a rank that left no dump is named too (stopped, killed, or on a host cut off). For each rank in
+who is where. The ranks part at the first sequence number that failed on some rank (a stall timeout: a cut
+link leaves every rank waiting in the same call, each naming its peer), that some rank never entered while
+another is stuck in it (the first is behind, stuck in its own code, stopped, or gone), or where ranks called
+different collectives; a rank that left no dump is named too (stopped, killed, or on a host cut off). For each rank in
 the parting call: where it waits (a stall timeout's step and peer), or that it finished. Prints one block per
 communicator; exit status 0 when every dumped communicator is whole and agrees, 1 when a diagnosis names a
 problem, 2 when DIR holds no dump.
@@ -94,9 +95,10 @@ def _one(cid: str, by_rank: dict) -> list[str]:
         behind = [r for r in records if last[r] < seq]
         # a healthy job dumped by SIGUSR1 catches ranks a call apart: only a call running for a while, or one
         # that failed, is a parting
-        stuck = any(h["state"] == "failed" or (h["state"] == "running" and dumped_at[r] - h["start"] > STUCK_S)
-                    for r, h in held.items())
-        if len(kinds) > 1 or ((behind or missing) and stuck):
+        failed = any(h["state"] == "failed" for h in held.values())
+        stuck = failed or any(h["state"] == "running" and dumped_at[r] - h["start"] > STUCK_S
+                              for r, h in held.items())
+        if len(kinds) > 1 or failed or ((behind or missing) and stuck):
             parting = seq
             break
     if parting is None:

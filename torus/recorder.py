@@ -12,7 +12,7 @@ reached and the peer waited on). Cost: one short list and two clock reads per ca
 
 Dumps (:func:`dump`) go to ``TORUS_TRACE_DIR`` (default: the working directory) as
 ``torus-trace-rank<R>.json`` (``R`` the rank in ``MPI.COMM_WORLD``), rewritten atomically by each dump:
-on a stall timeout (``TorusComm``: then the first rank of each communicator to get there waits
+on a stall timeout (``TorusComm``: then the first rank of each communicator and node to get there waits
 ``GATHER_S`` for the others' dumps and prints :func:`torus.doctor.diagnose`'s lines on stderr), on an
 uncaught exception under ``torus.faults.abort_on_exception``, and on ``SIGUSR1`` (installed with the first
 recorder where the main thread has no handler of its own; the job goes on). A rank stopped (``SIGSTOP``) or
@@ -62,13 +62,14 @@ class Recorder:
     TorusComm's duplicate of the caller's communicator; collective to create (one broadcast: the id that names
     this communicator in every rank's dump)."""
 
-    def __init__(self, comm: MPI.Intracomm, capacity: int | None = None):
+    def __init__(self, comm: MPI.Intracomm, capacity: int | None = None, node: int = 0):
         self.capacity = int(knobs.read("TORUS_RECORDER") if capacity is None else capacity)
         self.comm_id = comm.bcast(secrets.token_hex(4) if comm.Get_rank() == 0 else None, root=0)
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.world_ranks = comm.Get_group().Translate_ranks(list(range(self.size)), MPI.COMM_WORLD.Get_group())
         self.seq = 0
         self._ring: list = [None] * max(self.capacity, 1)
+        self.node = node  # one diagnosis per node: a cut host's lines may never reach mpiexec
         self.diagnosed = False
         _recorders.add(self)
         _install_signal()
@@ -127,13 +128,13 @@ def dump(reason: str) -> Path | None:
 
 def on_stall(recorder: Recorder, exc: BaseException) -> None:
     """A call of ``recorder``'s communicator timed out on this rank: dump, and where this is the first rank of
-    the communicator to get here (an exclusive file in the trace folder), wait ``GATHER_S`` for the other
-    ranks' dumps, then print the diagnosis of every dump there."""
+    the communicator on its node to get here (an exclusive file in the trace folder), wait ``GATHER_S`` for
+    the other ranks' dumps, then print the diagnosis of every dump there."""
     path = dump(f"stall timeout: {exc}")
     if path is None or recorder.diagnosed:
         return
     recorder.diagnosed = True
-    lock = path.parent / f".torus-diagnosis-{recorder.comm_id}"
+    lock = path.parent / f".torus-diagnosis-{recorder.comm_id}-node{recorder.node}"
     done = lock.with_name(lock.name + ".done")
     try:
         os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -21,6 +21,7 @@ Budget: 3 jobs of about 10 s each.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,6 +107,11 @@ def test_a_cut_link_ends_every_process_on_both_hosts(cluster, job):
     assert rc != 0, out[-3000:]
     # host 1's ranks said why; host 2's output could not reach mpiexec any more
     assert "uncaught TimeoutError" in out and "no progress for 3 s" in out, out[-3000:]
+    # and host 1's first rank to time out printed the flight recorder's diagnosis (torus/recorder.py)
+    diagnosis = out[out.find("torus doctor: communicator "):]
+    assert "torus doctor: communicator " in out, out[-3000:]
+    assert re.search(r"- rank [01] timed out (at step \d+/\d+ waiting on rank [23]|in the argument check)",
+                     diagnosis), diagnosis[:3000]
 
 
 def test_killed_ranks_end_the_job(cluster, job):
@@ -126,3 +132,4 @@ def test_a_stuck_rank_is_ended_with_the_job(cluster, job):
     assert rc != 0, out[-3000:]
     survivors = [r for r in range(3) if f"on rank {r}: no progress for 3 s" in out]
     assert survivors and "uncaught TimeoutError" in out, out[-3000:]
+    assert "torus doctor: communicator " in out and "- rank 3 left no record" in out, out[-3000:]
