@@ -8,6 +8,9 @@ supervise_worker.py (all-reduces in a loop; TORUS_TIMEOUT=3, TORUS_ABORT_TIMEOUT
   correctly and end: exit status 0, host 3 named in the restart line and in the summary.
 - ranks killed: host 3's rank gets SIGKILL. Host 3 still answers the probe, so it keeps its slot: the relaunch
   has 3 ranks on the 3 hosts again.
+- torus-train (bench/fault_train_job.py) with snapshots in each host's own folder: host 3's rank killed at
+  step 35, the relaunch resumes from step 31 and ends bitwise equal to the uninterrupted run (2 more runs of
+  about 30-40 s each).
 
 Afterwards no process of either launch is left in any namespace: the cut host's rank ends itself
 (torus.faults' abort after its own stall timeout) and its proxy then exits. A rank stuck outside torus on a cut
@@ -134,3 +137,70 @@ def test_a_host_whose_rank_was_killed_but_answers_keeps_its_slot(cluster, superv
                        f"signal); relaunching 3 ranks on {h1},{h2},{h3}"], out[-3000:]
     summary = re.findall(r"torus-run: summary: [^\n]*", out)[-1]
     print(f"\n{restart[0]}\n{summary}")
+
+
+TRAIN_JOB = Path(__file__).resolve().parents[2] / "bench" / "fault_train_job.py"
+RANK_WRAPPER = TRAIN_JOB.with_name("fault_rank.sh")
+TRAIN_EPOCHS, TRAIN_STEPS = 3, 23  # bench/fault_train_job.py: 23 global batches of 60 an epoch
+KILL_AT = 35  # in epoch 2, after the snapshot of step 31 (every 10 steps from step 1)
+
+
+def _train(cluster, tmp_path, name: str, kill: bool) -> tuple[int, str, Path]:
+    """torus-train (tiny-nobn, bench/fault_train_job.py) under torus-run on the 3 hosts, snapshots every 10
+    steps in each host's own folder (bench/fault_rank.sh); with ``kill``, host 3's rank gets SIGKILL once step
+    KILL_AT is logged. Returns (torus-run's status, its output, the final weights file)."""
+    folder = tmp_path / name
+    (folder / "pids").mkdir(parents=True)
+    hostfile = folder / "hosts"
+    hostfile.write_text("".join(f"{a}:1\n" for a in cluster.addresses))
+    line = cluster.mpiexec(ppn=1)
+    at = line.index("-hosts")
+    cmd = [sys.executable, "-m", "torus.supervise.cli", "--hostfile", str(hostfile), "--mpiexec-args",
+           " ".join(line[1:at] + line[at + 2:]), "--probe-timeout", "15", "--job-id", name, "--",
+           str(RANK_WRAPPER), sys.executable, str(TRAIN_JOB)]
+    log, out = folder / "steps.log", folder / "weights.npz"
+    env = child_env(TORUS_TIMEOUT="10", TORUS_ABORT_TIMEOUT="5", TORUS_SNAPSHOT_STEPS="10",
+                    TORUS_SNAPSHOT_SECONDS="0", FI_EPOCHS=str(TRAIN_EPOCHS), FI_LOG=str(log),
+                    FI_PIDS=str(folder / "pids"), FI_SNAP_ROOT=str(folder / "snap"), FI_OUT=str(out))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + START_S + LIMIT_S
+        while kill and proc.poll() is None:
+            steps = [int(s.split()[2]) for s in log.read_text().splitlines()] if log.exists() else []
+            if steps and steps[-1] >= KILL_AT:
+                pid = int((folder / "pids" / "0-2").read_text().split()[0])
+                os.kill(pid, signal.SIGKILL)
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"torus-train never reached step {KILL_AT}:\n{''.join(lines)[-3000:]}")
+            time.sleep(0.05)
+        proc.wait(timeout=START_S + LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for h in (1, 2, 3):
+            cluster.kill_all(cluster.namespace(h))
+    reader.join(timeout=5)
+    return proc.returncode, "".join(lines), out
+
+
+def test_torus_train_resumes_from_a_hosts_own_snapshot_to_the_same_weights(cluster, tmp_path):
+    """torus-train under torus-run loses host 3's rank at step 35; the relaunch (3 ranks again: the host still
+    answers) agrees on the newest snapshot the hosts hold (step 31, each host its own copy), passes over the
+    batches done and ends with the weights of the run that lost nothing, to the bit."""
+    import numpy as np
+    rc, out, got = _train(cluster, tmp_path, "killed", kill=True)
+    assert rc == 0, out[-3000:]
+    assert re.search(r"torus-run: restart 1/3: a rank on \S+ \(rank 2\)", out), out[-3000:]
+    assert "torus-run: resumed at step 31 " in out, out[-3000:]
+    assert re.search(r"torus-run: summary: 1 restart, .*\b\d+ steps redone", out), out[-3000:]
+    rc, ref_out, ref = _train(cluster, tmp_path, "uninterrupted", kill=False)
+    assert rc == 0, ref_out[-3000:]
+    with np.load(got) as a, np.load(ref) as b:
+        assert sorted(a.files) == sorted(b.files)
+        for k in a.files:
+            assert np.array_equal(a[k], b[k]), (k, float(np.max(np.abs(a[k] - b[k]))))
