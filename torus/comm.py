@@ -86,6 +86,7 @@ class TorusComm:
                  segment_bytes: int | None = None, check: bool | None = None, timeout: float | None = -1.0,
                  gpu_reduce: bool | None = None, threads: int | str | None = "auto",
                  link_gbits: float | None = None, shm_phases: bool | None = None):
+        options.launched_alone()
         base = MPI.COMM_WORLD if comm is None else comm
         rank, size = base.Get_rank(), base.Get_size()
         o = options.resolve(rank, size, dims, segment_bytes, check, timeout, gpu_reduce, link_gbits,

@@ -6,6 +6,7 @@ Everything here is checked on the calling rank before any message (ValueError na
 """
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 
@@ -38,6 +39,19 @@ class Options:
         if self.segment_bytes:
             return self.segment_bytes
         return CROSS_NODE_SEGMENT_BYTES if topology.nodes > 1 else SEGMENT_BYTES
+
+
+def launched_alone() -> None:
+    """``RuntimeError`` where ``srun`` started several tasks but MPI sees each as a world of one: the MPI library
+    did not reach Slurm's process manager (PMI), and every task would run, and train, alone (Open MPI 5 under
+    ``srun --mpi=pmi2``, ompi#13523; an MPI built without Slurm's PMI). Local: no communication."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if tasks.isdigit() and int(tasks) > 1 and MPI.COMM_WORLD.Get_size() == 1:
+        raise RuntimeError(
+            f"TorusComm: srun started {tasks} tasks, but MPI sees a world of 1 rank in task "
+            f"{os.environ.get('SLURM_PROCID', '?')}: this MPI library did not connect to Slurm's PMI, so every "
+            f"task would run alone. Launch with mpiexec inside the allocation (mpiexec -n {tasks} ...), or pass "
+            "srun the --mpi plugin this MPI was built for (srun --mpi=list shows Slurm's)")
 
 
 def resolve(rank: int, size: int, dims, segment_bytes, check, timeout, gpu_reduce, link_gbits,
