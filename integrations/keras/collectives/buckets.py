@@ -86,6 +86,7 @@ class Buckets:
         self._layouts: list = []  # layout id -> (op, wire name, ((dtype, count), ...))
         self._agreed: set = set()
         self._tokens = 0
+        self.steps = 0  # gradient steps of this process (bucket 0 starts one)
         self.comm_seconds = self.exposed_seconds = 0.0
         self.buckets_run = 0
 
@@ -121,11 +122,14 @@ class Buckets:
         if bucket == 0 and layout not in self._agreed:  # before any bucket of it moves or gets a shared buffer
             host.progress.call(self._agree, layout)
             self._agreed.add(layout)
+        if bucket == 0:
+            self.steps += 1  # for the flight recorder's caller: this process' gradient step, counted from 1
         buf = self._buffer(layout, bucket, wire or dtype, count, windowed)
         pack(pieces, buf, wire is not None)  # TensorFlow may reuse the inputs' memory once this op returns
         self._tokens += 1
         token = self._tokens
-        self._pending[token] = host.progress.submit(self._reduce, layout, bucket, buf, dtype, wire, windowed)
+        self._pending[token] = host.progress.submit(self._reduce, layout, bucket, buf, dtype, wire, windowed,
+                                                    self.steps)
         if host.timeline is not None:
             host.timeline.span(f"bucket {bucket} start", "start", t0, time.perf_counter(), bucket=bucket,
                                nbytes=int(buf.nbytes))
@@ -144,12 +148,13 @@ class Buckets:
             self.host.timeline.span(f"bucket {bucket} wait", "wait", t0, t1, bucket=bucket)
         return out
 
-    def _reduce(self, layout: int, bucket: int, buf: np.ndarray, dtype: np.dtype, wire, windowed: bool):
+    def _reduce(self, layout: int, bucket: int, buf: np.ndarray, dtype: np.dtype, wire, windowed: bool,
+                step: int):
         """On the communication thread: all-reduce the bucket, cast back; returns (result, bucket)."""
         t0 = time.perf_counter()
         host, tc = self.host, self.host.torus_comm
         op = self._layouts[layout][0]
-        recorder.caller.value = f"keras gradient bucket {bucket} (layout {layout})"
+        recorder.caller.value = f"keras step {step} gradient bucket {bucket} (layout {layout})"
         try:
             if wire is None and not windowed:
                 out = tc.allreduce(buf, np.empty_like(buf), op=op, algorithm=host.algorithm)

@@ -1,0 +1,56 @@
+"""The flight recorder in a live job (torus/recorder.py, issue 43): every TorusComm call is recorded in order
+with its operation, count, dtype and algorithm, the same sequence on every rank, capped at the capacity; under
+``fit`` with overlap the gradient buckets are recorded with their Keras step and bucket as the caller. Runs at
+2 to 4 ranks (one rank has nothing to compare).
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import torus
+
+if MPI.COMM_WORLD.Get_size() not in (2, 3, 4):
+    pytest.skip("recorder tests run at 2, 3 and 4 ranks", allow_module_level=True)
+
+
+def test_calls_are_recorded_in_order_and_agree_across_ranks(world, rng):
+    tc = torus.TorusComm()
+    capacity = tc.recorder.capacity
+    calls = []
+    sizes = world.bcast(rng.integers(1, 5000, capacity + 7).tolist())
+    for i, n in enumerate(sizes):
+        dtype = (np.float32, np.float64, np.int32)[i % 3]
+        if i % 2:
+            tc.allreduce(np.ones(n, dtype))
+            calls.append(("allreduce", n, np.dtype(dtype).name))
+        else:
+            tc.allgather(np.ones(n, dtype))
+            calls.append(("allgather", n * tc.size, np.dtype(dtype).name))
+    held = tc.recorder.records()
+    assert len(held) == capacity and tc.recorder.state()["calls"] == len(calls)
+    assert [h["seq"] for h in held] == list(range(len(calls) - capacity + 1, len(calls) + 1))
+    assert [(h["op"], h["count"], h["dtype"]) for h in held] == calls[-capacity:]
+    assert all(h["state"] == "done" and h["caller"] == "user" and h["end"] >= h["start"] for h in held)
+    mine = [(h["seq"], h["op"], h["count"], h["dtype"], h["algorithm"]) for h in held]
+    assert all(other == mine for other in world.allgather(mine))
+    assert len(set(world.allgather(tc.recorder.comm_id))) == 1
+    tc.Free()
+
+
+def test_keras_buckets_are_recorded_with_their_step(world):
+    keras = pytest.importorskip("keras")
+    from torus.integrations.keras import TorusStrategy
+
+    strategy = TorusStrategy(overlap=True, bucket_bytes=256)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(9, activation="tanh"),
+                                  keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False)
+    x = np.random.default_rng(0).standard_normal((36, 6)).astype("float32")
+    model.fit(x, x[:, :3], batch_size=12, epochs=1, shuffle=False, verbose=0)  # 3 steps
+    held = strategy.host.torus_comm.recorder.records()
+    buckets = [h["caller"] for h in held if h["caller"].startswith("keras step ")]
+    steps = {int(c.split()[2]) for c in buckets}
+    assert steps and max(steps) == strategy.host.buckets.steps >= 3, buckets
+    assert any(c.startswith(f"keras step {max(steps)} gradient bucket 1 ") for c in buckets), buckets
+    assert world.allgather(buckets) == [buckets] * world.size
