@@ -40,7 +40,7 @@ def run(cluster: Cluster, args, name: str, snapshots: bool) -> dict:
                                     "--image-size", str(args.image_size), "--steps", str(args.steps), "--epochs",
                                     "1", "--batch-schedule", f"0:{args.batch}", "--threads", "1", "--verbose", "0",
                                     "--summary", str(summary)]
-    env = child_env(FI_SNAP_ROOT=str(folder / "snap"), TF_CPP_MIN_LOG_LEVEL="2")
+    env = child_env(FI_SNAP_ROOT=str(folder / "snap"))
     if snapshots:
         env["TORUS_JOB_ID"] = name
     t0 = time.time()

@@ -257,7 +257,7 @@ def test_abort_on_exception_gives_a_stall_timeout_its_own_status(monkeypatch, ca
         "stall in a TensorFlow op": _tf_error("torus.errors.TimeoutError: allreduce(ring) on rank 1: no progress"),
         "stall in a TensorFlow op, TF 2.21's wording": _tf_error(
             _DETECTED + "torus.errors.TimeoutError: allreduce(shm) on rank 0: no progress for 8 s"),
-        "peer's Python exited": TorusTimeout(f"allreduce(ring) on rank 1: rank 2 {faults._PYTHON_EXITED} while "
+        "peer's Python exited": TorusTimeout(f"allreduce(ring) on rank 1: rank 2 {faults.PYTHON_EXITED} while "
                                              "this rank waits"),
         "builtin TimeoutError": TimeoutError("socket timed out"),
         "RuntimeError": RuntimeError("boom"),
