@@ -1,6 +1,6 @@
 """What the flight recorder (torus/recorder.py) costs a collective: all-reduce loops of 64 KiB and 16 MiB
-(float32, in place, algorithm auto) on two TorusComms of the same ranks, one recording (``TORUS_RECORDER``'s
-capacity) and one not (capacity 0), in alternating blocks so that both see the same machine load.
+(float32, in place, algorithm auto) on two TorusComms of the same ranks, one recording (``TORUS_RECORDER``, 64
+where unset) and one not (capacity 0), in alternating blocks so that both see the same machine load.
 
     mpiexec -n 2 .venv/bin/python bench/recorder_cost.py --rounds 15
 
@@ -16,7 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from torus import IN_PLACE, TorusComm
+from torus import IN_PLACE, TorusComm, knobs
 
 SIZES = {"64 KiB": 64 << 10, "16 MiB": 16 << 20}
 
@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seconds", type=float, default=0.3, help="about this long per block")
     args = ap.parse_args()
+    if not knobs.read("TORUS_RECORDER"):  # off by default: record the default capacity a user would turn on
+        knobs.override("TORUS_RECORDER", "64")
     on, off = TorusComm(), TorusComm()
     off.recorder.capacity = 0
     rank = on.rank

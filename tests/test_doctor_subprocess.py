@@ -1,7 +1,7 @@
 """The flight recorder and its diagnosis in real jobs (issue 43): each test launches ``mpiexec -n 3`` of this
-file's worker (TorusComm all-reduces of 1000 + i float32 elements, i = 1, 2, ...; TORUS_TIMEOUT=3; the dumps
-in a folder of the test's own) and checks that the diagnosis names the right rank and call, and that the job
-ended within the timeout plus 30 s:
+file's worker (TorusComm all-reduces of 1000 + i float32 elements, i = 1, 2, ...; TORUS_TIMEOUT=3; the recorder
+on, TORUS_RECORDER=64; the dumps in a folder of the test's own) and checks that the diagnosis names the right
+rank and call, and that the job ended within the timeout plus 30 s:
 
 - rank 1 stuck in its own code before call #4 (library use: no abort hook installed by the script);
 - rank 1 stopped with SIGSTOP before call #4 (it can write nothing; the others' records name it);
@@ -29,7 +29,7 @@ BOUND_S = TIMEOUT_S + 30
 def _job(mode: str, folder, **env_vars) -> tuple[int, float, str]:
     cmd = [jobs.mpiexec(), "-n", "3", sys.executable, __file__, mode]
     env = {**os.environ, "TORUS_TIMEOUT": str(TIMEOUT_S), "TORUS_TRACE_DIR": str(folder), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", **env_vars}
+           "OMP_NUM_THREADS": "1", "TORUS_RECORDER": "64", **env_vars}
     return jobs.run(cmd, env, BOUND_S + 30, f"mpiexec with rank 1 {mode}")
 
 
@@ -61,7 +61,8 @@ def test_a_skipped_call_is_named_by_the_doctor_afterwards(tmp_path):
 
 def test_sigusr1_dumps_a_healthy_job_that_goes_on(tmp_path):
     cmd = [jobs.mpiexec(), "-n", "3", sys.executable, __file__, "healthy"]
-    env = {**os.environ, "TORUS_TRACE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TORUS_TRACE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "TORUS_RECORDER": "64"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -1,23 +1,22 @@
-"""The flight recorder (issue 43): every rank keeps its last ``TORUS_RECORDER`` collective calls of each
-``TorusComm`` in memory, and writes them to a file when something goes wrong, so that ``torus.doctor`` can
-name the rank that fell behind and the call where the ranks parted.
+"""The flight recorder (issue 43): with ``TORUS_RECORDER=K`` every rank keeps its last K collective calls of
+each ``TorusComm`` in memory, and writes them to a file when something goes wrong, so that ``torus.doctor``
+can name the rank that fell behind and the call where the ranks parted. Off by default: its cost at 64 KiB is
+over the 1% issue 43 allows (bench/README.md, "Flight recorder").
 
 A record (one call): the call's sequence number on its communicator (1, 2, ...: the same call has the same
 number on every rank while the ranks agree), the operation, count (elements) and dtype, the algorithm and
 its transport, who called (``caller``: the Keras layer names its gradient bucket or all-reduce; else
 "user"), wall-clock start and end (``time.time()``: comparable across hosts as far as their clocks agree),
 its state (running, done, failed) and, for a failure, the error's message (a stall timeout's names the step
-reached and the peer waited on). Cost: one short list and two clock reads per call (bench/README.md,
-"Flight recorder").
+reached and the peer waited on).
 
 Dumps (:func:`dump`) go to ``TORUS_TRACE_DIR`` (default: the working directory) as
 ``torus-trace-rank<R>.json`` (``R`` the rank in ``MPI.COMM_WORLD``), rewritten atomically by each dump:
 on a stall timeout (``TorusComm``: then the first rank of each communicator and node to get there waits
 ``GATHER_S`` for the others' dumps and prints :func:`torus.doctor.diagnose`'s lines on stderr), on an
 uncaught exception under ``torus.faults.abort_on_exception``, and on ``SIGUSR1`` (installed with the first
-recorder where the main thread has no handler of its own; the job goes on). A rank stopped (``SIGSTOP``) or
-blocked in C code outside torus writes nothing: the others' records still name it. ``TORUS_RECORDER=0``
-records nothing.
+recording recorder where the main thread has no handler of its own; the job goes on). A rank stopped
+(``SIGSTOP``) or blocked in C code outside torus writes nothing: the others' records still name it.
 """
 from __future__ import annotations
 
@@ -72,7 +71,8 @@ class Recorder:
         self.node = node  # one diagnosis per node: a cut host's lines may never reach mpiexec
         self.diagnosed = False
         _recorders.add(self)
-        _install_signal()
+        if self.capacity:
+            _install_signal()
 
     def begin(self, op: str, count: int, dtype, algorithm: str) -> list:
         """A new call (``dtype``: a numpy dtype, named at the dump); the caller checks ``capacity`` first. The

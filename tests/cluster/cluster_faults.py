@@ -56,7 +56,7 @@ def job(cluster):
 
     def start(*args: str):
         cmd = cluster.mpiexec(ppn=2) + ["-n", "4", sys.executable, str(WORKER), *args]
-        env = child_env(TORUS_TIMEOUT="3", TORUS_ABORT_TIMEOUT="5")
+        env = child_env(TORUS_TIMEOUT="3", TORUS_ABORT_TIMEOUT="5", TORUS_RECORDER="64")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)
         lines: list[str] = []

@@ -1,7 +1,7 @@
-"""The flight recorder in a live job (torus/recorder.py, issue 43): every TorusComm call is recorded in order
-with its operation, count, dtype and algorithm, the same sequence on every rank, capped at the capacity; under
-``fit`` with overlap the gradient buckets are recorded with their Keras step and bucket as the caller. Runs at
-2 to 4 ranks (one rank has nothing to compare).
+"""The flight recorder in a live job (torus/recorder.py, issue 43; off by default, on here): every TorusComm call
+is recorded in order with its operation, count, dtype and algorithm, the same sequence on every rank, capped at
+the capacity; under ``fit`` with overlap the gradient buckets are recorded with their Keras step and bucket as
+the caller. Runs at 2 to 4 ranks (one rank has nothing to compare).
 """
 import numpy as np
 import pytest
@@ -11,6 +11,19 @@ import torus
 
 if MPI.COMM_WORLD.Get_size() not in (2, 3, 4):
     pytest.skip("recorder tests run at 2, 3 and 4 ranks", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def recorder_on(monkeypatch):
+    monkeypatch.setenv("TORUS_RECORDER", "64")  # off by default (its cost: bench/README.md)
+
+
+def test_the_recorder_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("TORUS_RECORDER")
+    tc = torus.TorusComm()
+    tc.allreduce(np.ones(10))
+    assert tc.recorder.capacity == 0 and tc.recorder.records() == [] and tc.recorder.state()["calls"] == 0
+    tc.Free()
 
 
 def test_calls_are_recorded_in_order_and_agree_across_ranks(world, rng):
