@@ -154,12 +154,7 @@ def abort(comm: MPI.Comm | None = None, status: int = 1) -> None:
         os._exit(status)
 
 
-def _say(line: str) -> None:
-    # os.write: no Python buffer or lock that another thread (or an interrupted print) may hold
-    try:
-        os.write(2, (line + "\n").encode(errors="replace"))
-    except OSError:
-        pass
+_say = recorder.say
 
 
 # A Python error raised inside a TensorFlow op (tf.numpy_function) reaches the caller as an OpError whose message

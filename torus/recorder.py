@@ -25,7 +25,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -121,7 +120,7 @@ def dump(reason: str) -> Path | None:
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, path)
     except OSError as e:
-        _say(f"torus: rank {world} could not write its flight record to {path}: {e}")
+        say(f"torus: rank {world} could not write its flight record to {path}: {e}")
         return None
     return path
 
@@ -151,7 +150,7 @@ def on_stall(recorder: Recorder, exc: BaseException) -> None:
         lines = doctor.diagnose(doctor.load(path.parent), comm_id=recorder.comm_id)
     except Exception as e:  # noqa: BLE001 - the diagnosis is a courtesy: never hide the timeout behind it
         lines = [f"torus doctor: no diagnosis ({type(e).__name__}: {e})"]
-    _say("\n".join(lines) + f"\n(the flight records: {path.parent}/torus-trace-rank*.json; "
+    say("\n".join(lines) + f"\n(the flight records: {path.parent}/torus-trace-rank*.json; "
          f"python -m torus.doctor {path.parent})")
     try:
         done.touch()
@@ -162,7 +161,7 @@ def on_stall(recorder: Recorder, exc: BaseException) -> None:
 def _on_sigusr1(signum, frame) -> None:
     path = dump("SIGUSR1")
     if path is not None:
-        _say(f"torus: rank {MPI.COMM_WORLD.Get_rank()} wrote its flight record to {path} (SIGUSR1)")
+        say(f"torus: rank {MPI.COMM_WORLD.Get_rank()} wrote its flight record to {path} (SIGUSR1)")
 
 
 def _install_signal() -> None:
@@ -174,9 +173,10 @@ def _install_signal() -> None:
         signal.signal(signal.SIGUSR1, _on_sigusr1)
 
 
-def _say(text: str) -> None:
+def say(line: str) -> None:
+    """``line`` on stderr in one ``os.write``: no Python buffer or lock that another thread (or an interrupted
+    print) may hold (torus.faults writes its last lines so too)."""
     try:
-        os.write(2, (text + "\n").encode(errors="replace"))
+        os.write(2, (line + "\n").encode(errors="replace"))
     except OSError:
         pass
-    sys.stderr.flush()
