@@ -452,6 +452,8 @@ def main(argv=None) -> int:
     ap.add_argument("--snapshot-steps", type=int, default=20)
     ap.add_argument("--snapshot-seconds", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--first-trial", type=int, default=0,
+                    help="number of the first trial (to append trials to an earlier run's --jsonl with another --seed)")
     ap.add_argument("--no-references", action="store_true", help="reuse the saved reference weights")
     ap.add_argument("--jsonl", type=Path, default=RESULTS / "fault_injection.jsonl", help="appended to")
     ap.add_argument("--txt", type=Path, default=RESULTS / "fault_injection.txt")
@@ -500,7 +502,7 @@ def main(argv=None) -> int:
             if ref is None:
                 print(f"fault_injection: no reference weights at {ref_file}", file=sys.stderr)
                 return 1
-            for i in range(args.trials):
+            for i in range(args.first_trial, args.first_trial + args.trials):
                 for kind in kinds:
                     record(bench.trial(i, kind, ref))
         finally:
