@@ -7,8 +7,10 @@ rank and call, and that the job ended within the timeout plus 30 s:
 - rank 1 stopped with SIGSTOP before call #4 (it can write nothing; the others' records name it);
 - rank 1 skipping call #4 (its #4 is the others' #5: MismatchError), read afterwards by ``python -m
   torus.doctor``;
+- rank 1 bucketing its gradients differently at the 4th reduction (``allreduce_tensors`` under TorusStrategy with
+  overlap: the layout agreement's MismatchError, uncaught, ends the job), read afterwards by the doctor;
 - SIGUSR1 to a healthy job: every rank dumps and the job finishes.
-Budget: 4 jobs of 3 ranks, 3 to 10 s each.
+Budget: 5 jobs of 3 ranks, 3 to 20 s each.
 """
 from __future__ import annotations
 
@@ -59,6 +61,19 @@ def test_a_skipped_call_is_named_by_the_doctor_afterwards(tmp_path):
     assert "- rank 1: allreduce of 1005 float32" in doctor.stdout, doctor.stdout
 
 
+def test_a_bucket_layout_that_differs_ends_the_job_and_the_doctor_names_the_rank(tmp_path):
+    pytest.importorskip("tensorflow")
+    rc, seconds, out = _job("layout", tmp_path)
+    assert rc != 0 and seconds < BOUND_S, out[-3000:]
+    assert "MismatchError: allreduce of gradient buckets on rank" in out and \
+        "rank 1 bucket the gradients differently from rank 0" in out, out[-3000:]
+    doctor = subprocess.run([sys.executable, "-m", "torus.doctor", str(tmp_path)], capture_output=True, text=True)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert "they called different collectives:" in doctor.stdout, doctor.stdout
+    assert "- ranks 0, 2: bucket layout agreement of 74 float32" in doctor.stdout, doctor.stdout
+    assert "- rank 1: bucket layout agreement of 75 float32" in doctor.stdout, doctor.stdout
+
+
 def test_sigusr1_dumps_a_healthy_job_that_goes_on(tmp_path):
     cmd = [jobs.mpiexec(), "-n", "3", sys.executable, __file__, "healthy"]
     env = {**os.environ, "TORUS_TRACE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
@@ -91,6 +106,9 @@ def worker(mode: str) -> None:
     import torus
     from torus import faults
 
+    if mode == "layout":
+        _layout_worker()
+        return
     if mode == "skip":
         faults.abort_on_exception()  # as TorusStrategy does: the uncaught MismatchError dumps the records
     tc = torus.TorusComm()
@@ -109,6 +127,19 @@ def worker(mode: str) -> None:
                 (Path(os.environ["TORUS_TRACE_DIR"]) / f"ready{tc.rank}").touch()
             time.sleep(0.1)
     print(f"rank {tc.rank} finished", flush=True)
+
+
+def _layout_worker() -> None:
+    import tensorflow as tf
+
+    from torus.integrations.keras import TorusStrategy, allreduce_tensors
+
+    strategy = TorusStrategy(overlap=True, bucket_bytes=256)  # installs abort_on_exception, as under fit
+    reduce = tf.function(lambda ts: allreduce_tensors(strategy.host, ts, "sum"))
+    for i in range(1, 7):
+        n = 30 + i + (strategy.rank == 1 and i == 4)  # a new layout each call; rank 1's 4th one element longer
+        reduce([tf.ones(n), tf.ones(40)])
+    print(f"rank {strategy.rank} finished", flush=True)
 
 
 if __name__ == "__main__":

@@ -67,3 +67,31 @@ def test_keras_buckets_are_recorded_with_their_step(world):
     assert steps and max(steps) == strategy.host.buckets.steps >= 3, buckets
     assert any(c.startswith(f"keras step {max(steps)} gradient bucket 1 ") for c in buckets), buckets
     assert world.allgather(buckets) == [buckets] * world.size
+
+
+def test_a_bucket_layout_that_differs_is_recorded_and_the_doctor_names_the_rank(world):
+    tf = pytest.importorskip("tensorflow")
+    from torus import doctor
+    from torus.integrations.keras import TorusStrategy, allreduce_tensors
+
+    strategy = TorusStrategy(overlap=True, bucket_bytes=256)
+    host, last = strategy.host, world.size - 1
+    reduce = tf.function(lambda ts: allreduce_tensors(host, ts, "sum"))
+    got = reduce([tf.ones(100), tf.ones(70)])  # one agreed layout, its buckets reduced
+    np.testing.assert_array_equal(got[0].numpy(), np.full(100, world.size, np.float32))
+    n = 30 + (world.rank == last)  # a new layout, one element longer on the last rank
+    with pytest.raises(tf.errors.OpError, match=rf"MismatchError: .* rank {last} bucket the gradients differently"):
+        reduce([tf.ones(n), tf.ones(40)])
+    state = host.torus_comm.recorder.state()
+    agreements = [h for h in state["records"] if h["op"] == "bucket layout agreement"]
+    assert [(h["count"], h["dtype"], h["state"]) for h in agreements] == \
+        [(170, "float32", "done"), (70 + (world.rank == last), "float32", "failed")], agreements
+    assert agreements[-1]["caller"] == f"keras step {host.buckets.steps + 1} gradient bucket layout 1"
+    assert "MismatchError" in agreements[-1]["error"]
+    dumps = [{"time": 0.0, "communicators": [s]} for s in world.allgather(state)]
+    lines = doctor.diagnose(dumps, state["comm_id"])
+    seq = agreements[-1]["seq"]
+    others = "rank 0" if last == 1 else f"ranks {', '.join(map(str, range(last)))}"
+    assert f"  the ranks part at call #{seq}: they called different collectives:" in lines, lines
+    assert any(line.startswith(f"  - {others}: bucket layout agreement of 70 float32") for line in lines), lines
+    assert any(line.startswith(f"  - rank {last}: bucket layout agreement of 71 float32") for line in lines), lines

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from torus import IN_PLACE, agreement, kernels, recorder
 from torus.errors import MismatchError
+from torus.errors import TimeoutError as TorusTimeout
 from torus.integrations.keras.collectives.window import pack
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -180,11 +181,31 @@ class Buckets:
     def _describe(self, layout: int) -> str:
         op, groups = self._layouts[layout]
         sizes = ", ".join(f"{np.dtype(d).name}[{n}]" for d, n in groups)
-        return f"{len(groups)} buckets ({sizes}), op {op}"
+        return f"{len(groups)} bucket{'s' if len(groups) != 1 else ''} ({sizes}), op {op}"
 
     def _agree(self, layout: int) -> None:
         tc = self.host.torus_comm
         rank, timeout = tc.rank, tc._executor.timeout
+        # a collective on the TorusComm's communicator: in the flight record, so that the doctor can name a
+        # rank whose layout differs (its count) or that agrees while the others already reduce (its operation)
+        groups = self._layouts[layout][1]
+        recorder.caller.value = f"keras step {self.steps + 1} gradient bucket layout {layout}"
+        record = tc.recorder.begin("bucket layout agreement", sum(n for _, n in groups), np.dtype(groups[0][0]),
+                                   "allgather") if tc.recorder.capacity and groups else None
+        try:
+            self._agree_or_raise(layout, tc, rank, timeout)
+        except BaseException as exc:
+            if record is not None:
+                recorder.fail(record, exc)
+                if isinstance(exc, TorusTimeout):
+                    recorder.on_stall(tc.recorder, exc)
+            raise
+        finally:
+            recorder.caller.value = "user"
+        if record is not None:
+            recorder.end(record)
+
+    def _agree_or_raise(self, layout: int, tc, rank: int, timeout) -> None:
         differ, texts = agreement.texts_that_differ(tc.comm, self._describe(layout), timeout, lambda: (
             f"allreduce of gradient buckets on rank {rank}: no progress for {timeout:g} s agreeing on the bucket "
             "layout: some rank did not reach this step (it raised, exited or is stuck)"))
