@@ -59,6 +59,35 @@ def test_train_usage_error_is_one_line_before_tensorflow(no_tensorflow, args, ex
     assert len(lines) == 1 and lines[0].startswith("torus-train: error: ") and expected in lines[0], proc.stderr
 
 
+def test_train_missing_fashion_mnist_is_one_line_before_tensorflow(no_tensorflow, tmp_path):
+    """A folder with some of the four idx files, and (where the package is absent) ``--data fashion-mnist``:
+    one line that says how to get the data, exit status 2."""
+    from torus.integrations.keras.app.idx import FASHION_MNIST_DIR
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"")
+    cases = [(str(tmp_path), f"--data {tmp_path} lacks train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz]; "
+                             "apt-get install dataset-fashion-mnist, or --data DIR holding ")]
+    if not FASHION_MNIST_DIR.is_dir():
+        cases.append(("fashion-mnist", f"--data fashion-mnist: {FASHION_MNIST_DIR} does not exist; apt-get install "
+                                       "dataset-fashion-mnist, or --data DIR holding "))
+    for data, expected in cases:
+        proc = _job(TRAIN, "--data", data, "--model", "resnet20", pythonpath=no_tensorflow)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"torus-train: error: {expected}"), proc.stderr
+
+
+def test_train_image_size_default_follows_the_data(tmp_path):
+    from torus.integrations.keras.app.cli import parse_args
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (tmp_path / name).write_bytes(b"")
+    assert parse_args(["--data", str(tmp_path), "--model", "resnet20"]).image_size == 28
+    assert parse_args(["--data", str(tmp_path)]).image_size == 32  # ResNet-50 needs 32
+    assert parse_args(["--model", "resnet20"]).image_size == 32  # the digits
+    assert parse_args(["--data", str(tmp_path), "--model", "tiny", "--image-size", "20"]).image_size == 20
+
+
 def test_train_default_warmup_fits_a_short_run():
     from torus.integrations.keras.app.cli import DEFAULTS, parse_args
     assert parse_args([]).warmup_epochs == DEFAULTS["warmup_epochs"]

@@ -2,12 +2,13 @@
 
 ``mpiexec -n 2 torus-train`` with no arguments trains ResNet-50 on the embedded digits set (see
 ``digits.py``; README.md shows a run); ``--data DIR`` reads an ILSVRC2012 folder tree or ImageNet
-TFRecords (see ``data.py``). Each epoch runs ``model.fit`` for one epoch with that epoch's batch size from the
-batch-size schedule (the dataset is re-batched at epoch boundaries, every rank runs the same number of steps),
-then evaluates top-1/top-5 on the whole validation set (exact global counts), averages batch-norm moving
-statistics over ranks and, on rank 0, writes an atomic checkpoint. Rank 0 prints one line per epoch (with a
-progress bar while the output is a terminal), writes TensorBoard logs and, at the end, prints a labelled summary
-line and writes the JSON summary to ``--summary`` or ``<checkpoint-dir>/summary.json``.
+TFRecords (see ``data.py``), ``--data fashion-mnist`` Fashion-MNIST's idx files (``idx.py``). Each epoch runs
+``model.fit`` for one epoch with that epoch's batch size from the batch-size schedule (the dataset is re-batched
+at epoch boundaries, every rank runs the same number of steps), then evaluates top-1/top-5 on the whole
+validation set (exact global counts), averages batch-norm moving statistics over ranks and, on rank 0, writes
+an atomic checkpoint. Rank 0 prints one line per epoch (with a progress bar while the output is a terminal),
+writes TensorBoard logs and, at the end, prints a labelled summary line and writes the JSON summary to
+``--summary`` or ``<checkpoint-dir>/summary.json``.
 
 Every argument is checked before TensorFlow is imported (a usage error is one line from rank 0, exit status
 2); failures every rank reaches together are one line naming the ranks (exit status 1); a rank failing alone
@@ -39,12 +40,15 @@ _DESCRIPTION = """\
 Data-parallel ResNet-50 training under mpiexec (Mikami et al. 2018, arXiv:1811.05233).
 
 With no --data it trains on the embedded digits set (scikit-learn's 1,797 real 8x8 scans, resized, written once
-to ~/.cache/torus or $TORUS_CACHE); --data reads an ILSVRC2012 folder tree or ImageNet TFRecords. Each epoch
-trains with that epoch's batch from --batch-schedule, then measures top-1/top-5 on the whole validation set.
+to ~/.cache/torus or $TORUS_CACHE); --data reads an ILSVRC2012 folder tree, ImageNet TFRecords, or
+Fashion-MNIST (--data fashion-mnist: Debian's dataset-fashion-mnist package; --data DIR: a folder of its four
+idx files; accuracy on its 10,000 test images). Each epoch trains with that epoch's batch from --batch-schedule,
+then measures top-1/top-5 on the whole validation set.
 Rank 0 prints one line per epoch and a summary; nothing is written unless --checkpoint-dir, --summary or
 --tensorboard say where.
 
   mpiexec -n 2 torus-train                              # the digits, 10 epochs
+  mpiexec -n 2 torus-train --data fashion-mnist --model resnet20 --batch-schedule 0:128
   mpiexec -n 4 torus-train --data /imagenet --image-size 224 --batch-schedule 0:256,5:512
 """
 
@@ -54,17 +58,22 @@ def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="torus-train", description=_DESCRIPTION)
     d = DEFAULTS
     p.add_argument("--data", metavar="DIR",
-                   help="ILSVRC2012 folder tree (train/, val/) or TFRecord folder (default: the embedded digits)")
-    p.add_argument("--model", default="resnet50", choices=["resnet50", "tiny", "tiny-nobn"],
-                   help="resnet50: keras.applications.ResNet50(weights=None); tiny: a small CNN for tests; "
-                   "tiny-nobn: the same without batch normalization (the same result at any rank count)")
-    p.add_argument("--image-size", type=int, default=d["image_size"], metavar="PIXELS",
-                   help="side of the square training and validation images (resnet50 needs at least 32)")
+                   help="ILSVRC2012 folder tree (train/, val/), TFRecord folder, folder of the four idx files, or "
+                   "fashion-mnist (/usr/share/datasets/fashion-mnist) (default: the embedded digits)")
+    p.add_argument("--model", default="resnet50", choices=["resnet50", "resnet20", "tiny", "tiny-nobn"],
+                   help="resnet50: keras.applications.ResNet50(weights=None); resnet20: He et al. 2016's CIFAR "
+                   "ResNet-20; tiny: a small CNN for tests; tiny-nobn: the same without batch normalization (the "
+                   "same result at any rank count)")
+    p.add_argument("--image-size", type=int, metavar="PIXELS",
+                   help=f"side of the square training and validation images (default: {d['image_size']}, 28 on "
+                   "idx data except with resnet50, which needs at least 32)")
     p.add_argument("--epochs", type=int, default=d["epochs"], help="epochs to train")
     p.add_argument("--batch-schedule", default=d["batch_schedule"], metavar="EPOCH:BATCH,...",
                    help="global batch (summed over ranks) from each 0-based epoch on; every batch must divide by "
                    "the rank count")
-    p.add_argument("--optimizer", default=d["optimizer"], choices=["lars", "sgd"], help="LARS or SGD with momentum")
+    p.add_argument("--optimizer", default=d["optimizer"], choices=["lars", "sgd", "nesterov", "adam"],
+                   help="LARS, SGD with momentum, SGD with Nesterov momentum, or Adam (beta_1 = --momentum; "
+                   "--weight-decay decoupled, as AdamW)")
     p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate per --base-batch images "
                    "(linear scaling: the peak follows the global batch)")
     p.add_argument("--base-batch", type=int, default=d["base_batch"], metavar="N", help="batch --lr refers to")
@@ -101,6 +110,9 @@ def parser() -> argparse.ArgumentParser:
                    "and every TORUS_SNAPSHOT_SECONDS; 0: none by steps)")
     p.add_argument("--summary", metavar="FILE", help="write the final summary (JSON) here "
                    "(default: <checkpoint-dir>/summary.json with --checkpoint-dir, else nowhere)")
+    p.add_argument("--train-images", type=int, metavar="N",
+                   help="train on N images of the training set (a fixed random subset, the same at any rank "
+                   "count and seed) for quick runs; validation still reads the whole validation or test set")
     p.add_argument("--synthetic", action="store_true", help="time steps on random tensors (no data)")
     p.add_argument("--steps", type=int, default=20, help="steps per epoch with --synthetic")
     p.add_argument("--num-classes", type=int, metavar="N",
@@ -123,13 +135,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def usage_error(message: str):
+    from torus.cli import usage_error
+    usage_error("torus-train", message)
+
+
 def _check(p, args, size: int | None) -> None:
     """Every argument check that needs no data and no TensorFlow (so a bad one fails in about a second); with
     ``size`` (the rank count) also the grid and the batch schedule's divisibility."""
     from torus.cli import parse_dims, writable_file
+    from torus.integrations.keras.app import idx
     from torus.integrations.keras.training.schedule import BatchSizeSchedule
+    try:
+        idx_root = idx.locate(args.data) if args.data is not None else None
+    except idx.MissingData as exc:
+        usage_error(str(exc))  # no "(see --help)": the line already says what to do
+    if args.image_size is None:
+        args.image_size = 28 if idx_root is not None and args.model != "resnet50" else DEFAULTS["image_size"]
     positive = {"epochs": args.epochs, "base_batch": args.base_batch, "steps": args.steps,
-                "threads": args.threads, "image_size": args.image_size}
+                "threads": args.threads, "image_size": args.image_size, "train_images": args.train_images}
     for name, value in positive.items():
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
@@ -245,9 +269,10 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     args = parse_args(argv, size=comm.Get_size())  # before TensorFlow: a bad argument fails in a second
-    if args.data is not None and not os.path.isdir(args.data):
-        from torus.cli import usage_error  # here, not in parse_args: Trainer reports it too (as DataError)
-        usage_error("torus-train", f"--data {args.data}: no such folder")
+    from torus.integrations.keras.app.idx import KEYWORD
+    if args.data is not None and args.data != KEYWORD and not os.path.isdir(args.data):
+        # here, not in parse_args: Trainer reports it too (as DataError)
+        usage_error(f"--data {args.data}: no such folder")
     threads = _configure_tensorflow(args, comm)
     from torus.cli import FAILED, abort_on_error
     from torus.integrations.keras.app.trainer import AgreedError, Trainer, summary_line

@@ -8,6 +8,8 @@ Two layouts are read, both under ``root``:
 - **TFRecord shards** in the usual ImageNet layout: files ``root/train-*`` and ``root/validation-*`` (or
   ``root/train/*`` and ``root/val/*``), records of ``tf.train.Example`` with ``image/encoded`` (JPEG bytes)
   and ``image/class/label`` (int64, **1-based**; 0 is the background class of the Inception scripts).
+- **In memory**: Fashion-MNIST's idx files (``idx.py``, :func:`open_idx`), every image held by every rank;
+  grayscale ``(batch, S, S, 1)``, normalised with the training set's own mean and standard deviation.
 
 Sharding: the folder layout deals image files round-robin (rank ``r`` of ``size`` gets files ``r, r+size,
 ...``); TFRecords deal whole shard files when there are at least ``size`` of them, else records
@@ -18,8 +20,8 @@ whole good list: epoch ``e``'s global batches follow from ``(seed, e)`` alone, a
 training order follows from ``(seed, e, rank)``. Every random augmentation is a stateless op seeded per element,
 so a run resumed at any batch (``train_dataset(skip=)``) sees exactly the batches an uninterrupted run sees.
 
-Images come out as float32 ``(batch, S, S, 3)`` normalised with the ImageNet channel mean and standard
-deviation; labels as int32 ``(batch,)`` in ``[0, num_classes)``. Every dataset returned here holds this
+Folder and TFRecord images come out as float32 ``(batch, S, S, 3)`` normalised with the ImageNet channel mean
+and standard deviation; labels as int32 ``(batch,)`` in ``[0, num_classes)``. Every dataset returned here holds this
 rank's share and is marked so (``inputs.per_rank``): ``model.fit`` under a ``TorusStrategy`` takes its batches
 as per-rank batches instead of splitting them as global ones.
 """
@@ -90,16 +92,18 @@ class Augment:
 class Split:
     """One rank's shard of a split: what to read, how many good examples it holds, and the bad ones found.
 
-    kind : ``"folder"`` (``items`` are image paths, ``labels`` their class indices) or ``"tfrecord"``
+    kind : ``"folder"`` (``items`` are image paths, ``labels`` their class indices), ``"tfrecord"``
         (``items`` are shard files, ``labels`` is None, ``record_shard`` is ``(size, rank)`` when records
-        rather than files are dealt, ``bad_keys`` the keys of bad records, see ``_keyed_records``).
+        rather than files are dealt, ``bad_keys`` the keys of bad records, see ``_keyed_records``) or
+        ``"array"`` (``items`` is a uint8 array ``(N, H, W, C)`` of pixels, ``labels`` int32 ``(N,)``).
     count : good examples in this rank's shard.  bad : ``[(where, error)]`` for each bad image this rank found.
     listing : the folder layout's whole listing, ``(paths, labels)`` before dealing (``shared_split`` reads it).
     shared : True where ``items`` are every rank's good examples, the same list on every rank
-        (``shared_split``): the training order is then global, see ``train_dataset``.
+        (``shared_split``, ``open_idx``): the training order is then global, see ``train_dataset``.
+    norm : per-channel ``(mean, stddev)`` of pixels in ``[0, 1]`` for normalising; None: ImageNet's.
     """
     kind: str
-    items: list
+    items: list | np.ndarray
     labels: np.ndarray | None
     num_classes: int
     count: int
@@ -108,6 +112,40 @@ class Split:
     bad_keys: frozenset = frozenset()
     listing: tuple | None = None
     shared: bool = False
+    norm: tuple | None = None
+
+
+def open_idx(root: str | Path, *, rank: int = 0, size: int = 1) -> tuple[Split, Split]:
+    """Fashion-MNIST (or any folder of the four idx files, ``idx.py``) in memory: the whole training split,
+    shared by every rank (global batches, as ``shared_split``), and this rank's slice ``rank::size`` of the
+    test split (every rank's slices together: the whole test split, once). Pixels are uint8 ``(N, H, W, 1)``;
+    ``norm`` is the training images' mean and standard deviation. Raises ``idx.IdxError`` (a ValueError) or
+    ``idx.MissingData`` (an OSError) naming the file; involves no communication."""
+    from torus.integrations.keras.app import idx
+    train_x, train_y = idx.load_split(root, "train")
+    test_x, test_y = idx.load_split(root, "test")
+    if train_x.shape[1:] != test_x.shape[1:]:
+        raise idx.IdxError(f"{root}: training images are {train_x.shape[1:]}, test images {test_x.shape[1:]}")
+    scaled = train_x.astype(np.float32) / 255.0
+    norm = ((float(scaled.mean()),), (float(scaled.std()),))
+    train = Split("array", train_x[..., None], train_y.astype(np.int32), idx.NUM_CLASSES, len(train_y), [],
+                  shared=True, norm=norm)
+    test = Split("array", test_x[rank::size, ..., None], test_y[rank::size].astype(np.int32), idx.NUM_CLASSES,
+                 len(test_y[rank::size]), [], norm=norm)
+    return train, test
+
+
+def subset(split: Split, count: int) -> Split:
+    """The first ``count`` examples of a fixed random order (seed 0, whatever ``--seed``) of a shared split,
+    kept in their original order: a smaller training set for quick runs. Raises ``DataError`` for a split
+    that is not shared (TFRecords) or holds fewer than ``count`` examples."""
+    if not split.shared:
+        raise DataError("--train-images: TFRecord data is read per rank; a subset needs folder or idx data")
+    if count > split.count:
+        raise DataError(f"--train-images {count}: the training data holds only {split.count} images")
+    keep = np.sort(np.random.default_rng(0).permutation(split.count)[:count])
+    items = split.items[keep] if isinstance(split.items, np.ndarray) else [split.items[i] for i in keep]
+    return dataclasses.replace(split, items=items, labels=split.labels[keep], count=count)
 
 
 def shared_split(shard: Split, comm) -> Split:
@@ -249,9 +287,22 @@ def _open_tfrecords(files: list[str], rank: int, size: int, num_classes: int | N
                  frozenset(bad))
 
 
+def _image(split: Split, item):
+    """One uint8 ``(H, W, C)`` image from an element of ``_examples``: decoded, or as held in memory."""
+    return item if split.kind == "array" else _decode(item)
+
+
+def _resize(image, image_size: int):
+    """``image`` (float) resized bilinearly to ``image_size`` square, left as it is where it is that size."""
+    if tuple(image.shape[:2]) == (image_size, image_size):
+        return image
+    return tf.image.resize(image, (image_size, image_size))
+
+
 def _augment(image, seed, image_size: int, aug: Augment):
     """Random resized crop, flip, rotation, colour distortion and noise on one uint8 image, all stateless
-    ops keyed by ``seed`` (shape (2,) int64); returns float32 ``(S, S, 3)`` in ``[0, 1]``."""
+    ops keyed by ``seed`` (shape (2,) int64); returns float32 ``(S, S, C)`` in ``[0, 1]``. Saturation and hue
+    change only 3-channel images."""
     seeds = tf.random.experimental.stateless_split(seed, 8)
     if aug.crop_area > 0:
         begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
@@ -259,7 +310,7 @@ def _augment(image, seed, image_size: int, aug: Augment):
             area_range=(aug.crop_area, 1.0), aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=10,
             use_image_if_no_bounding_boxes=True)
         image = tf.slice(image, begin, crop_size)
-    image = tf.image.resize(tf.cast(image, tf.float32) / 255.0, (image_size, image_size))
+    image = _resize(tf.cast(image, tf.float32) / 255.0, image_size)
     if aug.flip:
         image = tf.image.stateless_random_flip_left_right(image, seeds[1])
     if aug.rotate > 0:
@@ -268,15 +319,17 @@ def _augment(image, seed, image_size: int, aug: Augment):
     if aug.color > 0:
         image = tf.image.stateless_random_brightness(image, aug.color, seeds[3])
         image = tf.image.stateless_random_contrast(image, 1 - 2 * aug.color, 1 + 2 * aug.color, seeds[4])
-        image = tf.image.stateless_random_saturation(image, 1 - 2 * aug.color, 1 + 2 * aug.color, seeds[5])
-        image = tf.image.stateless_random_hue(image, aug.color / 4, seeds[6])
+        if image.shape[-1] == 3:
+            image = tf.image.stateless_random_saturation(image, 1 - 2 * aug.color, 1 + 2 * aug.color, seeds[5])
+            image = tf.image.stateless_random_hue(image, aug.color / 4, seeds[6])
     if aug.noise > 0:
         image += aug.noise * tf.random.stateless_normal(tf.shape(image), seeds[7])
     return tf.clip_by_value(image, 0.0, 1.0)
 
 
-def _normalise(image):
-    return (image - MEAN_RGB) / STDDEV_RGB
+def _normalise(image, norm: tuple | None):
+    mean, stddev = norm or (MEAN_RGB, STDDEV_RGB)
+    return (image - mean) / stddev
 
 
 def _rotate(image, angle):
@@ -293,7 +346,13 @@ def _rotate(image, angle):
 
 
 def _examples(split: Split, order: np.ndarray | None, shuffle_seed: int | None):
-    """``(encoded, label)`` pairs of a rank's shard, in ``order`` (folder) or shuffled (TFRecord)."""
+    """``(encoded, label)`` pairs of a rank's shard, in ``order`` (folder) or shuffled (TFRecord); for an
+    in-memory split ``(pixels, label)``, in ``order``."""
+    if split.kind == "array":
+        images, labels = split.items, split.labels
+        if order is not None:
+            images, labels = images[order], labels[order]
+        return tf.data.Dataset.from_tensor_slices((images, labels))
     if split.kind == "folder":
         paths = np.asarray(split.items)
         labels = split.labels
@@ -345,9 +404,9 @@ def train_dataset(split: Split, *, epoch: int, batch_size: int, steps: int, imag
         dataset = _examples(split, order, int(rng.integers(2 ** 31)) if split.kind == "tfrecord" else None)
         dataset = dataset.take(total).enumerate().skip(skip * batch_size)
     dataset = dataset.map(
-        lambda i, example: (_normalise(_augment(_decode(example[0]),
-                                                      tf.stack([base[0] + base[1] * 7919, i]),
-                                                      image_size, augment)), example[1]),
+        lambda i, example: (_normalise(_augment(_image(split, example[0]),
+                                                tf.stack([base[0] + base[1] * 7919, i]),
+                                                image_size, augment), split.norm), example[1]),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return per_rank(dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
@@ -355,12 +414,12 @@ def train_dataset(split: Split, *, epoch: int, batch_size: int, steps: int, imag
 def val_dataset(split: Split, *, batch_size: int, image_size: int, central_fraction: float = 0.875):
     """All of the rank's validation images (last batch may be short): central crop of ``central_fraction``
     of each side, resized to ``image_size``, normalised."""
-    def prepare(encoded, label):
-        image = _decode(encoded)
+    def prepare(item, label):
+        image = _image(split, item)
         if central_fraction < 1:
             image = tf.image.central_crop(image, central_fraction)
-        image = tf.image.resize(tf.cast(image, tf.float32) / 255.0, (image_size, image_size))
-        return _normalise(image), label
+        image = _resize(tf.cast(image, tf.float32) / 255.0, image_size)
+        return _normalise(image, split.norm), label
     return per_rank(_examples(split, None, None).map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
                     .batch(batch_size).prefetch(tf.data.AUTOTUNE))
 

@@ -18,14 +18,18 @@ from torus import knobs
 from torus.integrations.keras.app.cli import RECIPE
 
 
-def build_model(name: str, image_size: int, num_classes: int, bn_momentum: float):
-    """ResNet-50 (random init, logits out) or a tiny CNN, with or without batch normalization (``tiny``,
-    ``tiny-nobn``); batch-norm momentum set to ``bn_momentum``."""
+def build_model(name: str, image_size: int, num_classes: int, bn_momentum: float, channels: int = 3):
+    """ResNet-50 (random init, logits out), ResNet-20 (``resnet.py``) or a tiny CNN, with or without batch
+    normalization (``tiny``, ``tiny-nobn``), for float32 images ``(batch, image_size, image_size, channels)``;
+    batch-norm momentum set to ``bn_momentum``."""
     import keras
-    shape = (image_size, image_size, 3)
+    shape = (image_size, image_size, channels)
     if name == "resnet50":
         model = keras.applications.ResNet50(weights=None, input_shape=shape, classes=num_classes,
                                             classifier_activation=None)
+    elif name == "resnet20":
+        from torus.integrations.keras.app.resnet import resnet20
+        model = resnet20(shape, num_classes)
     else:  # tiny-nobn: its result does not depend on how a global batch is split over ranks
         norm = [keras.layers.BatchNormalization()] if name == "tiny" else []
         model = keras.Sequential([
@@ -40,12 +44,17 @@ def build_model(name: str, image_size: int, num_classes: int, bn_momentum: float
 
 
 def build_optimizer(args):
+    """The ``--optimizer`` with learning rate 0 (``BatchControl`` sets it before every step): LARS (You et al.
+    2017), SGD with momentum or Nesterov momentum, or Adam; Keras' ``weight_decay`` is decoupled (as AdamW)."""
     import keras
 
     from torus.integrations.keras.training.lars import LARS
     if args.optimizer == "lars":
         return LARS(0.0, momentum=args.momentum, trust_coefficient=args.trust, weight_decay=args.weight_decay)
-    return keras.optimizers.SGD(0.0, momentum=args.momentum, weight_decay=args.weight_decay or None)
+    if args.optimizer == "adam":
+        return keras.optimizers.Adam(0.0, beta_1=args.momentum, weight_decay=args.weight_decay or None)
+    return keras.optimizers.SGD(0.0, momentum=args.momentum, nesterov=args.optimizer == "nesterov",
+                                weight_decay=args.weight_decay or None)
 
 
 def _fit_ranks(schedule, epoch: int, size: int) -> None:
@@ -170,7 +179,7 @@ class Trainer:
         import keras
         from mpi4py import MPI
 
-        from torus.integrations.keras.app import data, digits
+        from torus.integrations.keras.app import data, digits, idx
         from torus.integrations.keras.strategy import TorusStrategy
         from torus.integrations.keras.training.schedule import BatchSizeSchedule, LearningRateRule
         self.args, self.comm, self.threads = args, comm, threads
@@ -183,10 +192,22 @@ class Trainer:
                                       bucket_bytes=args.bucket_bytes, snapshot_steps=args.snapshot_every)
         self.schedule = BatchSizeSchedule(args.batch_schedule)
         self.lr_rule = LearningRateRule(args.lr, args.base_batch, args.warmup_epochs, "poly", args.epochs)
-        self.augment = data.Augment.parse(args.augment or ("crop,flip" if args.data else "none"))
         self.root = args.data
+        self.idx_root = _collective(comm, f"finding {args.data}", functools.partial(idx.locate, args.data)) \
+            if args.data is not None and not args.synthetic else None
+        # crops and flips are ImageNet's recipe; the digits and Fashion-MNIST train on the images as they are
+        self.augment = data.Augment.parse(args.augment or ("crop,flip" if args.data and not self.idx_root
+                                                           else "none"))
+        self.channels = 3
         if args.synthetic:
             self.num_classes, self.min_count, self.train_data = args.num_classes or 1000, None, None
+        elif self.idx_root is not None:
+            self.root = str(self.idx_root)
+            self.train_split, self.val_split = _collective(comm, f"reading {self.root}", functools.partial(
+                data.open_idx, self.idx_root, rank=self.rank, size=self.size))
+            self.num_classes, self.min_count, self.train_data = idx.NUM_CLASSES, self.train_split.count, \
+                self.train_split
+            self.channels = 1
         else:
             if self.root is None:
                 # rank 0 builds the set; ensure_digits' lock makes any rank safe, the barrier makes it once
@@ -202,6 +223,9 @@ class Trainer:
             self.min_count = comm.allreduce(self.train_split.count, op=MPI.MIN)
             # training reads global batches (the same images at any rank count) where the layout allows
             self.train_data = data.shared_split(self.train_split, comm)
+        if args.train_images is not None and not args.synthetic:
+            self.train_data = _collective(comm, "choosing the training subset",
+                                          lambda: data.subset(self.train_data, args.train_images))
         self.loss = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=args.label_smoothing)
         if args.trainer == "fit":
             with self.strategy.scope():
@@ -212,7 +236,7 @@ class Trainer:
     def _compiled_model(self):
         import keras
         args = self.args
-        model = build_model(args.model, args.image_size, self.num_classes, args.bn_momentum)
+        model = build_model(args.model, args.image_size, self.num_classes, args.bn_momentum, self.channels)
         model.compile(build_optimizer(args), loss=self.loss, jit_compile=False,
                       metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")])
         model.optimizer.build(model.trainable_variables)
@@ -391,7 +415,7 @@ class Trainer:
                       "overlap": max(0.0, 1 - exposed_s / comm_s) if comm_s > 0 else None}
             if not args.synthetic:
                 val = data.val_dataset(self.val_split, batch_size=max(per_rank, 64), image_size=args.image_size,
-                                       central_fraction=0.875 if args.data else 1.0)
+                                       central_fraction=0.875 if args.data and not self.idx_root else 1.0)
                 record["val_top1"], record["val_top5"] = self._evaluate(val)
             history.append(record)
             if self.rank == 0 and args.verbose:
