@@ -251,6 +251,9 @@ class Cluster:
 def from_state(name: str = "torusc") -> Cluster:
     """The cluster of this name that ``up`` left running (``FileNotFoundError`` when there is none)."""
     state = json.loads((STATE_ROOT / f"torus-cluster-{name}" / "state.json").read_text())
+    if state.get("slurm"):
+        from tests.cluster.slurm import SlurmCluster
+        return SlurmCluster(state["hosts"], state["rate"], state["name"], state["subnet"])
     return Cluster(state["hosts"], state["rate"], state["name"], state["subnet"])
 
 

@@ -11,7 +11,10 @@ import argparse
 import subprocess
 import sys
 
-from tests.cluster import Cluster, child_env, from_state, unavailable
+from tests.cluster import Cluster, child_env, from_state, suites, unavailable
+from tests.cluster.slurm import SlurmCluster, slurm_unavailable
+
+SLURM_PROGRAMS = ("srun", "sbatch", "salloc", "squeue", "sinfo", "scontrol", "scancel")
 
 
 def main(argv=None) -> int:
@@ -22,6 +25,8 @@ def main(argv=None) -> int:
     up.add_argument("hosts", type=int)
     up.add_argument("--rate", help="tc rate per host link, both ways (e.g. 2gbit); default unshaped")
     up.add_argument("--subnet", type=int, default=13, help="hosts at 10.231.SUBNET.1..K")
+    up.add_argument("--slurm", action="store_true",
+                    help="a Slurm cluster: slurmctld here, one slurmd per host (tests/cluster/slurm.py)")
     sub.add_parser("down", help="kill what runs inside, remove the namespaces and the bridge")
     sub.add_parser("status", help="hosts and the processes inside them")
     run = sub.add_parser("run", help="mpiexec on the running cluster")
@@ -29,17 +34,27 @@ def main(argv=None) -> int:
     run.add_argument("--round-robin", action="store_true",
                      help="ranks dealt out one per host in turn (hydra's -hosts h1,h2 without slots)")
     run.add_argument("mpiexec_args", nargs=argparse.REMAINDER)
+    for program in SLURM_PROGRAMS:
+        slurm = sub.add_parser(program, help=f"{program} on the running Slurm cluster (up K --slurm)")
+        slurm.add_argument("slurm_args", nargs=argparse.REMAINDER)
     test = sub.add_parser("test", help="run the cluster suites on clusters of their own")
     test.add_argument("--quick", action="store_true", help="only the node-detection and fault tests")
+    test.add_argument("--only", action="append", metavar="SUITE",
+                      help="only this suite (repeatable): " + ", ".join(suites.SELECTABLE))
     args = ap.parse_args(argv)
 
     if args.cmd == "test":
-        from tests.cluster import suites
-        return suites.main(quick=args.quick)
-    why = unavailable() if args.cmd == "up" else None
+        return suites.main(quick=args.quick, only=args.only)
+    why = (slurm_unavailable() if args.slurm else unavailable()) if args.cmd == "up" else None
     if why:
         print(f"cannot make a cluster here: {why}")
         return 1
+    if args.cmd == "up" and args.slurm:
+        cluster = SlurmCluster(args.hosts, args.rate, args.name, args.subnet).up()
+        print(f"Slurm nodes {', '.join(f'{cluster.node(h)} ({cluster.address(h)})' for h in range(1, args.hosts + 1))}"
+              f" idle; slurm.conf {cluster.conf}; launch with:")
+        print(f"python -m tests.cluster --name {cluster.name} srun -- --mpi=pmi2 -N {cluster.hosts} -n N PROGRAM")
+        return 0
     if args.cmd == "up":
         cluster = Cluster(args.hosts, args.rate, args.name, args.subnet).up()
         print(f"{cluster.hosts} hosts {', '.join(cluster.addresses)} on bridge {cluster.bridge}"
@@ -63,6 +78,12 @@ def main(argv=None) -> int:
             for pid, cmd in procs:
                 print(f"  {pid} {cmd[:160]}")
         return 0
+    if args.cmd in SLURM_PROGRAMS:
+        if not isinstance(cluster, SlurmCluster):
+            print(f"cluster {args.name!r} runs no Slurm (python -m tests.cluster up K --slurm)")
+            return 1
+        extra = args.slurm_args[1:] if args.slurm_args[:1] == ["--"] else args.slurm_args
+        return subprocess.run(cluster.command(args.cmd, *extra), env=cluster.job_env(), check=False).returncode
     extra = args.mpiexec_args[1:] if args.mpiexec_args[:1] == ["--"] else args.mpiexec_args
     command = cluster.mpiexec(args.ppn, round_robin=args.round_robin) + extra
     return subprocess.run(command, env=child_env(), check=False).returncode

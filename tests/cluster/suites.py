@@ -36,6 +36,7 @@ MPI_SUITES = ["tests/cluster/cluster_nodes.py", "tests/mpi/test_allreduce.py", "
 ROUND_ROBIN_SUITE = "tests/cluster/cluster_round_robin.py"
 LAYOUTS = [(2, 2, "2gbit"), (3, 1, None)]
 LIMIT_S = 900
+SELECTABLE = ("hydra", "slurm")  # test --only: the hydra-launched suites, the Slurm ones (cluster_slurm.py)
 
 
 def _counts(xml: Path) -> dict[str, list]:
