@@ -33,7 +33,7 @@ DEFAULTS = {
 
 
 RECIPE = ("model", "image_size", "epochs", "batch_schedule", "optimizer", "lr", "base_batch", "warmup_epochs",
-           "momentum", "weight_decay", "trust", "label_smoothing", "bn_momentum", "augment", "seed")
+           "momentum", "weight_decay", "trust", "label_smoothing", "bn_momentum", "augment", "seed", "train_images")
 
 
 _DESCRIPTION = """\
