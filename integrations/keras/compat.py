@@ -19,10 +19,12 @@ so a renamed base method fails the import instead of silently never being called
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -192,8 +194,8 @@ check_versions(_warn_on_rank_zero)
 TensorFlowTrainer = _modules["trainer"].TensorFlowTrainer
 Trainer = _modules["base_trainer"].Trainer
 CompileLoss = _modules["compile_utils"].CompileLoss
-OneDeviceExtended = _modules["one_device_strategy"].OneDeviceExtended
-OneDeviceReplicaContext = _modules["one_device_strategy"]._OneDeviceReplicaContext
+OneDeviceExtended: Any = _modules["one_device_strategy"].OneDeviceExtended  # Any: a base class found at run time
+OneDeviceReplicaContext: Any = _modules["one_device_strategy"]._OneDeviceReplicaContext
 array_data_adapter = _modules["array_data_adapter"]
 array_slicing = _modules["array_slicing"]
 data_adapter_utils = _modules["data_adapter_utils"]
@@ -330,14 +332,14 @@ def is_patched(fn) -> bool:
     return hasattr(fn, "_torus_original")
 
 
-def patch(owner, name: str, make_wrapper: Callable[[Callable], Callable], aliases: tuple = ()) -> None:
+def patch(owner, name: str, make_wrapper: Callable[[Any], Any], aliases: tuple = ()) -> None:
     """Replace ``owner.name`` by ``make_wrapper(current)`` once per process (idempotent), and every module of
     ``aliases`` that re-exports the same object."""
     current = getattr(owner, name)
     if is_patched(current):
         return
     wrapped = make_wrapper(current)
-    wrapped._torus_original = current
+    setattr(wrapped, "_torus_original", current)  # noqa: B010 (a function attribute mypy cannot see)
     setattr(owner, name, wrapped)
     for alias in aliases:
         module = importlib.import_module(alias)
@@ -356,7 +358,7 @@ def install() -> None:
     from torus.integrations.keras.fit import fit_hook, inputs, metrics, saving
 
     for method in fit_hook.METHODS:
-        patch(TensorFlowTrainer, method, lambda fn, m=method: fit_hook.wrap(fn, m))
+        patch(TensorFlowTrainer, method, functools.partial(fit_hook.wrap, method=method))
     patch(TensorFlowTrainer, "make_train_function", lambda fn: metrics.global_step_maker(fn, "train_step"))
     patch(TensorFlowTrainer, "make_test_function", lambda fn: metrics.global_step_maker(fn, "test_step"))
     patch(TensorFlowTrainer, "_maybe_symbolic_build", inputs.build_without_peeking)
@@ -364,7 +366,7 @@ def install() -> None:
     patch(CompileLoss, "call", metrics.share_weighted)
     patch(TFOptimizer, "_all_reduce_sum_gradients", gradients.as_gradients)
     for name, what in saving.PATCHED.items():
-        patch(saving_api, name, lambda fn, w=what: saving.coordinated(fn, w), aliases=saving.ALIASES)
+        patch(saving_api, name, functools.partial(saving.coordinated, what=what), aliases=saving.ALIASES)
     if hasattr(keras.Model, "export"):
         patch(keras.Model, "export", lambda fn: saving.coordinated(fn, "Model.export"))
 

@@ -59,7 +59,7 @@ def plan(sizes_bytes: list[int], dtypes: list, cap: int, first_cap: int = FIRST_
     buckets: list[list[int]] = []
     sizes: list[int] = []
     caps: list[float] = []
-    next_cap = min(cap, first_cap)  # kept at most cap: growth ** k alone overflows a float past ~1,000 buckets
+    next_cap: float = min(cap, first_cap)  # kept at most cap: growth ** k alone overflows a float past ~1,000 buckets
     open_: dict = {}
     for i in reversed(range(len(sizes_bytes))):
         b = open_.get(dtypes[i])

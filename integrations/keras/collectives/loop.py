@@ -266,7 +266,8 @@ def allreduce_tensors(host: HostAllreduce, tensors, op: str = "avg"):
         reduced = [reduced]
     if graph:
         host.record(reduced[0])
-    result, k = [None] * len(dense), 0
+    result: list = [None] * len(dense)
+    k = 0
     for g, w in zip(groups, windowed):
         if w:  # one output per tensor, its shape
             for i in g:

@@ -49,7 +49,7 @@ def _move(model, strategy, method: str) -> None:
         if theirs is not None and theirs is not compat.default_strategy():
             raise ValueError(f"TorusStrategy on rank {strategy.rank}: model.{method}() with an optimizer created "
                              f"under {type(theirs).__name__}; create it under the TorusStrategy's scope()")
-    if foreign and not outer.built and model.built:
+    if foreign and outer is not None and not outer.built and model.built:
         # Its slots must be colocated by the strategy that created the variables (none, here).
         outer.build(model.trainable_variables)
     for opt in foreign:

@@ -73,7 +73,7 @@ def fingerprint(arrays) -> int:
         index = np.unique(np.linspace(0, rows - 1, k).round().astype(np.int64))
         part = _rows_of(a, index)
         if part is not None:
-            crc = zlib.crc32(np.ascontiguousarray(part).view(np.uint8).reshape(-1), crc)
+            crc = zlib.crc32(np.ascontiguousarray(part).view(np.uint8).reshape(-1).data, crc)
     return crc
 
 

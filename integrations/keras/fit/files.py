@@ -95,11 +95,12 @@ class _SharedBackup:
 class _Silent:
     """Every hook does nothing (a non-chief rank's logger)."""
 
+    set_model = keras.callbacks.Callback.set_model
+
 
 for _name in dir(keras.callbacks.Callback):
     if _name.startswith("on_"):
         setattr(_Silent, _name, getattr(keras.callbacks.Callback, _name))
-_Silent.set_model = keras.callbacks.Callback.set_model
 
 _subclasses: dict = {}
 

@@ -101,7 +101,7 @@ class AgreedOrder(keras.utils.PyDataset):
             self._count = int(keras.tree.flatten(self._rows)[0].shape[0])
         else:
             self._count = len(source)
-        self._cached = (None, None)
+        self._cached: tuple = (None, None)
 
     def reseed(self, seed: int) -> None:
         """Serve every epoch from now on in ``seed``'s order (a resumed run takes its snapshot's seed)."""

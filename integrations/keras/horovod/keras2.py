@@ -37,7 +37,8 @@ def _callable_result(prop: property) -> property:
 
 
 def _classes_with_own_property(root: type) -> list[type]:
-    found, todo = [root], list(root.__subclasses__())
+    found: list[type] = [root]
+    todo: list[type] = list(root.__subclasses__())
     while todo:
         cls = todo.pop()
         todo += cls.__subclasses__()

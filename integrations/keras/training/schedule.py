@@ -122,7 +122,7 @@ class LearningRateRule:
         peak = self.peak(global_batch)
         if epoch < self.warmup_epochs:
             return peak * epoch / self.warmup_epochs
-        if self.decay == "poly":
+        if self.decay == "poly" and self.total_epochs is not None:  # always set for poly (__init__ checks)
             left = max(0.0, 1.0 - (epoch - self.warmup_epochs) / (self.total_epochs - self.warmup_epochs))
             return self.min_lr + (peak - self.min_lr) * left ** self.power
         if self.decay == "step":
