@@ -222,3 +222,15 @@ def test_missing_package_says_how_to_get_it(tmp_path, monkeypatch):
     (tmp_path / "absent").mkdir()
     with pytest.raises(idx.MissingData, match="holds none of its idx files; apt-get install"):
         idx.locate("fashion-mnist")
+
+
+def test_optimizer_choices():
+    keras = pytest.importorskip("keras")
+    from torus.integrations.keras.app import cli, trainer
+    nesterov = trainer.build_optimizer(cli.parse_args(["--optimizer", "nesterov", "--momentum", "0.8"]))
+    assert isinstance(nesterov, keras.optimizers.SGD) and nesterov.nesterov and nesterov.momentum == 0.8
+    adam = trainer.build_optimizer(cli.parse_args(["--optimizer", "adam", "--momentum", "0.85",
+                                                   "--weight-decay", "0.001"]))
+    assert isinstance(adam, keras.optimizers.Adam) and adam.beta_1 == 0.85 and adam.weight_decay == 0.001
+    sgd = trainer.build_optimizer(cli.parse_args(["--optimizer", "sgd"]))
+    assert isinstance(sgd, keras.optimizers.SGD) and not sgd.nesterov
