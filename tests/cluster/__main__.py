@@ -3,7 +3,9 @@
 ``up`` leaves the cluster running (and prints the mpiexec line to use); ``down`` removes it; ``run`` launches
 ``mpiexec`` on the running cluster (``python -m tests.cluster run --ppn 2 -- -n 4 python x.py``); ``test`` makes
 its own clusters (name ``torust``, subnet 10.231.14.0/24), runs the cluster suites (tests/cluster/suites.py) and
-tears them down, ending with 'N passed, N failed, N skipped'.
+tears them down, ending with 'N passed, N failed, N skipped'. ``up K --slurm`` makes a Slurm cluster
+(tests/cluster/slurm.py); ``srun``/``sbatch``/``salloc``/``sinfo``/``squeue``/``scontrol``/``scancel`` ``-- ARGS``
+run that program against it (``python -m tests.cluster --name toruss srun -- --mpi=pmi2 -N 2 -n 4 python x.py``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """The cluster suites: the emulated cluster itself and torus-run across it (on clusters of their own), the
 collective suites of tests/mpi (and the gradient buckets of overlap) run across emulated hosts, node detection,
 faults across hosts and torus-train with --resume across hosts (``python -m tests.cluster test``; ``--quick``:
-the cluster, torus-run, node detection and faults only).
+the cluster, torus-run, node detection and faults only; ``--only hydra`` or ``--only slurm`` selects). The Slurm
+suites (tests/cluster/slurm.py's cluster, 2 nodes x 2 ranks, name torussl, 10.231.31.0/24): the collective
+suites and node detection under ``srun --mpi=pmi2``, then tests/cluster/cluster_slurm.py; one 'skipped' where
+Slurm or munge is not installed.
 
 Layouts: 2 hosts x 2 ranks (links shaped to 2 Gbit/s with tc tbf; rows of torus2d-2x2 inside hosts, columns
 across them, 1xN and Nx1 grids across them; hierarchical-nodes on the real nodes; then the same hosts with
@@ -26,6 +29,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from tests.cluster import Cluster, child_env, unavailable
+from tests.cluster.slurm import SlurmCluster, slurm_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -37,6 +41,10 @@ ROUND_ROBIN_SUITE = "tests/cluster/cluster_round_robin.py"
 LAYOUTS = [(2, 2, "2gbit"), (3, 1, None)]
 LIMIT_S = 900
 SELECTABLE = ("hydra", "slurm")  # test --only: the hydra-launched suites, the Slurm ones (cluster_slurm.py)
+SLURM_NAME, SLURM_SUBNET = "torussl", 31
+SLURM_MPI_SUITES = ["tests/cluster/cluster_nodes.py", "tests/mpi/test_allreduce.py", "tests/mpi/test_reduce_scatter.py",
+                    "tests/mpi/test_allgather.py"]
+SLURM_SUITE = "tests/cluster/cluster_slurm.py"
 
 
 def _counts(xml: Path) -> dict[str, list]:
@@ -83,15 +91,15 @@ class Tally:
         print(f"[{label}] took {time.monotonic() - t0:.0f} s", flush=True)
 
 
-def main(quick: bool = False) -> int:
+def main(quick: bool = False, only: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="torus-cluster-"))
     try:
-        return _main(quick, tmp)
+        return _main(quick, tmp, set(only or SELECTABLE))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _main(quick: bool, tmp: Path) -> int:
+def _main(quick: bool, tmp: Path, only: set[str]) -> int:
     why = unavailable()
     if why:
         print(f"cluster suites skipped: {why}")
@@ -101,6 +109,39 @@ def _main(quick: bool, tmp: Path) -> int:
     py = sys.executable
     common = ["-m", "pytest", "-p", "no:cacheprovider", "-o", "timeout_method=thread"]
     t0 = time.monotonic()
+    if "hydra" in only:
+        _hydra(quick, tmp, tally, py, common)
+    if "slurm" in only:
+        _slurm(tmp, tally, py, common)
+    for line in tally.failures:
+        print("FAILED", line)
+    print(f"cluster suites took {time.monotonic() - t0:.0f} s")
+    print(f"{tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped")
+    return 1 if tally.failed else 0
+
+
+def _slurm(tmp: Path, tally: Tally, py: str, common: list[str]) -> None:
+    """The collective suites and node detection under ``srun --mpi=pmi2`` (2 nodes x 2 ranks), then
+    tests/cluster/cluster_slurm.py; one 'skipped' where Slurm or munge is not installed."""
+    why = slurm_unavailable()
+    if why:
+        print(f"slurm suites skipped: {why}")
+        tally.skipped += 1
+        return
+    with SlurmCluster(2, None, SLURM_NAME, SLURM_SUBNET) as cluster:
+        env = cluster.job_env(TORUS_CLUSTER=SLURM_NAME, TORUS_CLUSTER_LAYOUT="2x2")
+        xml = tmp / "slurm-2x2.xml"
+        # srun starts one command line on every task: task 0 writes the report (tests/run.py's rule)
+        report = (f'if [ "$SLURM_PROCID" = 0 ]; then exec "$@" --junitxml={xml}; '
+                  'else exec "$@" -p no:terminal; fi')
+        cmd = cluster.command("srun", "--mpi=pmi2", "--nodes=2", "--ntasks=4", "--distribution=block",
+                              "--kill-on-bad-exit=1", "sh", "-c", report, "sh", py, *common, *SLURM_MPI_SUITES)
+        tally.run("slurm 2x2 collectives", cmd, xml, env)
+        xml = tmp / "slurm.xml"
+        tally.run("slurm 2x2", [py, *common, "-s", SLURM_SUITE, f"--junitxml={xml}"], xml, env)
+
+
+def _hydra(quick: bool, tmp: Path, tally: Tally, py: str, common: list[str]) -> None:
     xml = tmp / "unit.xml"
     tally.run("cluster", [py, *common, "tests/cluster/cluster_unit.py", "tests/cluster/cluster_supervise.py",
                           f"--junitxml={xml}"], xml, child_env())
@@ -128,13 +169,8 @@ def _main(quick: bool, tmp: Path) -> int:
                     xml = tmp / f"{layout}-{Path(suite).stem}.xml"
                     tally.run(f"{layout} {Path(suite).stem}", [py, *common, "-s", suite, f"--junitxml={xml}"],
                               xml, env)
-    for line in tally.failures:
-        print("FAILED", line)
-    print(f"cluster suites took {time.monotonic() - t0:.0f} s")
-    print(f"{tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped")
-    return 1 if tally.failed else 0
 
 
 if __name__ == "__main__":
     os.chdir(ROOT)
-    sys.exit(main("--quick" in sys.argv))
+    sys.exit(main("--quick" in sys.argv, [a for a in SELECTABLE if a in sys.argv[1:]] or None))
