@@ -32,7 +32,7 @@ import numpy as np
 from torus import faults
 from torus.errors import MismatchError
 from torus.ops import DTYPE_CODE, OPS
-from torus.select import ALGORITHMS
+from torus.schedules import registry
 
 # The calls a signature row can name (alloc and free_alloc agree in the same row layout, torus/runtime/shm.py,
 # so that a rank in another call's argument check sees the difference as one in "collective").
@@ -125,7 +125,7 @@ def signature(what: str, algo: str, op: str, dt, count: int, recvcounts, segment
     its node-level phases run over shared memory (torus/schedules/phases.py). A pure function of the call's
     shape, so TorusComm keeps it per shape instead of rebuilding it every call."""
     crc = zlib.crc32(np.asarray(recvcounts, np.int64).tobytes()) if recvcounts is not None else 0
-    return np.array([COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count, ALGORITHMS.index(algo),
+    return np.array([COLLECTIVES.index(what), OPS.index(op), DTYPE_CODE[dt], count, registry.index(algo),
                      segment_bytes, X, crc, int(phased), 0], np.int64)
 
 
@@ -148,7 +148,7 @@ def agree(comm, rank: int, size: int, timeout, what: str, algo: str, mine: np.nd
         raise PeerRejected(f"{what}({algo}) on rank {rank}: {ranks_text([int(r) for r in failed])} rejected "
                             f"{whose} own arguments to this call (see the error there); no data was moved")
     decode = {0: COLLECTIVES.__getitem__, 1: OPS.__getitem__, 2: DTYPE_NAMES.__getitem__,
-              4: ALGORITHMS.__getitem__, 6: lambda x: f"{x}x{size // x}"}
+              4: registry.names().__getitem__, 6: lambda x: f"{x}x{size // x}"}
     fields = {f: (name, decode.get(f, str)) for f, name in enumerate(SIGNATURE) if f != _COUNTS}
     parts = disagreements(every, fields)
     # Every rank sees ``every``, so all take this branch or none (not alloc's agreement: another collective).

@@ -14,8 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torus import knobs
+from torus.schedules import registry
 
-ALGORITHMS = ("ring", "hierarchical", "torus2d", "native", "shm", "swing", "swing_latency")
+# The built-in algorithms, in the agreement signature's order (torus.ALGORITHMS); what a call may name is the
+# registry's (torus/schedules/registry.py), read when it is made.
+ALGORITHMS = registry.BUILTIN
 
 # (largest communicator size the row applies to, largest nbytes, placement the row applies to, algorithm);
 # None = no limit / both placements; first match wins. Rows apply to all three collectives (reduce-scatter
@@ -51,12 +54,14 @@ def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False
     in place (``sendbuf=MPI.IN_PLACE``) or not; ``across``: the nodes when there are several (then
     ``across_nodes`` decides, not the table); ``one_node``: every rank on one node (ONE_NODE_TABLE first).
 
-    ``TORUS_ALGO`` (one of ALGORITHMS) overrides both. Raises ValueError for an unknown TORUS_ALGO."""
+    ``TORUS_ALGO`` (a registered algorithm, ``registry.names()``) overrides both; the table's rows that name an
+    algorithm the registry does not let ``auto`` pick are passed over. Raises ValueError for an unknown
+    TORUS_ALGO."""
     forced = knobs.read("TORUS_ALGO")
     if forced and forced != "auto":
-        if forced not in ALGORITHMS:
+        if forced not in registry.names():
             raise ValueError(f"{collective}: TORUS_ALGO={forced!r}; expected auto or one of "
-                             f"{', '.join(ALGORITHMS)}")
+                             f"{', '.join(registry.names())}")
         return forced
     if size == 1:
         return "native"
@@ -64,8 +69,8 @@ def choose(collective: str, nbytes: int, size: int, dims, in_place: bool = False
         return across_nodes(collective, nbytes, dims, across)
     placement = "in_place" if in_place else "out_of_place"
     for max_size, max_nbytes, where, algo in (ONE_NODE_TABLE + TABLE if one_node else TABLE):
-        if ((max_size is None or size <= max_size) and (max_nbytes is None or nbytes <= max_nbytes)
-                and where in (None, placement)):
+        if (registry.get(algo).auto and (max_size is None or size <= max_size)
+                and (max_nbytes is None or nbytes <= max_nbytes) and where in (None, placement)):
             # A 1 x N or N x 1 grid is a ring: say so rather than pay for the grid bookkeeping.
             return "ring" if algo == "torus2d" and 1 in dims else algo
     raise AssertionError("the table's last row matches every call")

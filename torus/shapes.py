@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 from torus import agreement, buffers
 from torus.ops import avg_factors
+from torus.schedules import registry
 from torus.schedules.build import effective, swing_latency_bytes
 from torus.schedules.phases import node_level
-from torus.select import ALGORITHMS
 from torus.topology import Topology
 
 MAX_SHAPES = 4096  # bounded: a sweep over many sizes must not grow without limit
@@ -48,16 +48,19 @@ class Shapes:
         t = self.topology
         if algorithm == "auto":
             algo = self.auto(what, p.count * p.dtype.itemsize, p.in_place)
-        elif algorithm not in ALGORITHMS:
+        elif algorithm not in registry.names():
             buffers.fail(what, t.rank, ValueError, f"unknown algorithm {algorithm!r}; expected auto or one of "
-                                                   f"{', '.join(ALGORITHMS)}")
+                                                   f"{', '.join(registry.names())}")
         else:
             algo = algorithm
         if algo == "shm" and t.nodes > 1:
             buffers.fail(what, t.rank, ValueError, f"algorithm 'shm' needs every rank on one node; these "
                                                    f"{t.size} ranks are on {t.nodes} nodes (use ring, "
                                                    "hierarchical or torus2d)")
-        algo = effective(what, algo, t, p.count * p.dtype.itemsize, swing_latency_bytes(self.link_gbits))
+        try:
+            algo = effective(what, algo, t, p.count * p.dtype.itemsize, swing_latency_bytes(self.link_gbits))
+        except ValueError as e:  # a registered algorithm that does not serve this collective
+            buffers.fail(what, t.rank, ValueError, str(e))
         phased = self.shm_phases and node_level(what, algo, t) is not None
         mine = agreement.signature(what, algo, op, p.dtype, p.count, p.counts, self.segment_bytes, t.dims[0],
                                    phased)

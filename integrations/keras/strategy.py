@@ -38,7 +38,7 @@ from torus.integrations.keras.collectives.loop import (
 from torus.integrations.keras.collectives.sparse import reduce_gradients
 from torus.integrations.keras.fit import fit_hook, inputs, saving, snapshots
 from torus.integrations.keras.fit.creation import InitialValues
-from torus.select import ALGORITHMS
+from torus.schedules import registry
 
 
 def _local(value):
@@ -171,7 +171,8 @@ class TorusStrategy(tf.distribute.Strategy):
     dims : (int, int), optional
         The X x Y grid for ``TorusComm`` (default: TorusComm's).
     algorithm : str
-        "auto", "ring", "hierarchical", "torus2d", "swing" or "native".
+        "auto" or a registered algorithm (torus/schedules/registry.py: "ring", "hierarchical", "torus2d", "swing",
+        "native", ...).
     compression : str
         "none", "fp16" or "bf16": the wire format of the float32 gradient buffer.
     comm : mpi4py.MPI.Intracomm or TorusComm, optional
@@ -201,9 +202,9 @@ class TorusStrategy(tf.distribute.Strategy):
                  device: str = "/cpu:0", abort_on_exception: bool = True, overlap: bool | None = None,
                  bucket_bytes: int | None = None, sparse_as_dense: bool = False, snapshot_steps: int | None = None,
                  snapshot_seconds: float | None = None):
-        if algorithm != "auto" and algorithm not in ALGORITHMS:
+        if algorithm != "auto" and algorithm not in registry.names():
             raise ValueError(f"TorusStrategy: unknown algorithm {algorithm!r}; expected auto or one of "
-                             f"{', '.join(ALGORITHMS)}")
+                             f"{', '.join(registry.names())}")
         torus_comm = comm if isinstance(comm, TorusComm) else TorusComm(comm, dims)
         if abort_on_exception:
             faults.abort_on_exception(torus_comm.comm)

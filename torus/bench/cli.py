@@ -17,10 +17,14 @@ from torus import cli
 from torus.bench import report
 from torus.bench.sweep import COLLECTIVES, moved_sizes, parse_size, size_steps, sweep
 from torus.ops import DTYPES, OPS
-from torus.select import ALGORITHMS
+from torus.schedules import registry
 
 _DTYPES = {str(d): d for d in DTYPES}
-_CHOICES = (*ALGORITHMS, "auto")
+
+
+def _choices() -> tuple:
+    """Every registered algorithm (torus/schedules/registry.py, read now) and ``auto``."""
+    return (*registry.names(), "auto")
 
 
 def _size(text: str) -> int:
@@ -32,10 +36,11 @@ def _size(text: str) -> int:
 
 def _algorithms(text: str) -> list[str]:
     names = [a.strip() for a in text.split(",") if a.strip()]
-    bad = [a for a in names if a not in _CHOICES]
+    choices = _choices()
+    bad = [a for a in names if a not in choices]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown algorithm(s) {', '.join(bad) or repr(text)}; expected a "
-                                         f"comma-separated list of {', '.join(_CHOICES)}")
+                                         f"comma-separated list of {', '.join(choices)}")
     return list(dict.fromkeys(names))
 
 
@@ -60,8 +65,8 @@ def parser() -> argparse.ArgumentParser:
                     help="1: count wrong elements against the closed-form result (one untimed call); 0: skip")
     ap.add_argument("-d", "--datatype", choices=tuple(_DTYPES), default="float32", help="element type")
     ap.add_argument("-o", "--op", choices=OPS, default="sum", help="reduction (ignored by allgather)")
-    ap.add_argument("--algo", type=_algorithms, metavar="LIST", default=",".join(_CHOICES),
-                    help=f"comma-separated algorithms, in table order, from {', '.join(_CHOICES)}")
+    ap.add_argument("--algo", type=_algorithms, metavar="LIST", default=",".join(_choices()),
+                    help=f"comma-separated algorithms, in table order, from {', '.join(_choices())}")
     ap.add_argument("--dims", type=_dims, metavar="XxY", default=None,
                     help="grid XxY with X*Y = the rank count (default: MPI_Dims_create's)")
     ap.add_argument("--alloc", action="store_true",

@@ -1,7 +1,7 @@
 """One plan builder for TorusComm and the simulator: ``build(collective, algorithm, topology, counts)``.
 
 ``counts``: the element count (all-reduce) or the per-rank block counts (reduce-scatter, all-gather).
-``algorithm`` is one of ring, torus2d, hierarchical, swing, swing_latency (native has no plan); the ring
+``algorithm`` names an entry of the registry (torus/schedules/registry.py) with a plan; among the built-ins the ring
 visits the ranks node by node (``Topology.ring_order``), the 2D-torus all-reduce runs its node-local axis first
 (``Topology.columns_first``); swing runs on the grid (``Topology.dims``, a line when a side is 1) in rank
 order, its node-local axis' steps first where one axis lies within the nodes. Pass the algorithm through ``effective``
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torus import knobs
 from torus.partition import displacements
-from torus.schedules import hierarchical, ring, swing, torus2d
+from torus.schedules import hierarchical, registry, ring, swing, torus2d
 from torus.topology import Topology
 
 SWING_LATENCY_BYTES = 8 << 10  # without a link figure (one node, emulated nodes): the limit measured first
@@ -48,6 +48,8 @@ def effective(collective: str, algorithm: str, topology: Topology, nbytes: int,
             return "swing_latency"
     if algorithm == "swing_latency" and collective != "allreduce":
         return "swing"
+    if collective not in registry.get(algorithm).collectives:
+        raise ValueError(f"algorithm {algorithm!r} does not serve {collective}")
     return algorithm
 
 
@@ -67,27 +69,53 @@ def grid_phases(collective: str, algorithm: str, topology: Topology, counts) -> 
 
 
 def build(collective: str, algorithm: str, topology: Topology, counts) -> list:
-    """The steps of ``topology.rank`` for one call (see plan.py)."""
-    t = topology
-    (x, y), (X, Y) = t.coords, t.dims
-    if algorithm == "torus2d" or (algorithm == "hierarchical" and collective != "allreduce"):
-        return torus2d.lower(grid_phases(collective, algorithm, t, counts))
+    """The steps of ``topology.rank`` for one call (see plan.py): the registry entry's builder
+    (torus/schedules/registry.py). Raises ValueError for an algorithm without a plan (native, shm)."""
+    entry = registry.get(algorithm)
+    if entry.build is None:
+        raise ValueError(f"algorithm {algorithm!r} has no plan: it runs as one call on the whole buffers")
+    return entry.build(collective, topology, counts)
+
+
+def torus2d_plan(collective: str, t: Topology, counts) -> list:
+    """The 2D torus (Mikami et al. 2018, arXiv:1811.05233, section 3.2): ``grid_phases`` lowered to ring steps."""
+    return torus2d.lower(grid_phases(collective, "torus2d", t, counts))
+
+
+def hierarchical_plan(collective: str, t: Topology, counts) -> list:
+    """The hierarchical all-reduce (ibid.); its reduce-scatter and all-gather are the 2D torus on the local x
+    cross grid (``grid_phases``)."""
+    if collective != "allreduce":
+        return torus2d.lower(grid_phases(collective, "hierarchical", t, counts))
+    return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
+
+
+def ring_plan(collective: str, t: Topology, counts) -> list:
+    """The ring (Patarasuk & Yuan 2009, JPDC 69(2), section 3), visiting the ranks node by node."""
     if collective == "allreduce":
-        if algorithm == "ring":
-            return ring.allreduce("world", t.ring_position, t.size, counts, order=t.ring_order)
-        if algorithm == "swing":
-            return swing.allreduce(x, y, X, Y, counts, local=_local_axis(t))
-        if algorithm == "swing_latency":
-            return swing.allreduce_latency(x, y, X, Y, counts, local=_local_axis(t))
-        return hierarchical.allreduce(*t.hierarchical_args(), counts, t.max_local)
+        return ring.allreduce("world", t.ring_position, t.size, counts, order=t.ring_order)
     displs = displacements(counts)
-    rs = collective == "reduce_scatter"
-    if algorithm == "ring":  # block r belongs to world rank r: index the blocks by ring position
-        order = t.ring_order
-        return (ring.reduce_scatter if rs else ring.allgather)(
-            "world", t.ring_position, t.size, [counts[r] for r in order], [displs[r] for r in order],
-            order=order)
-    return (swing.reduce_scatter if rs else swing.allgather)(x, y, X, Y, counts, displs, local=_local_axis(t))
+    order = t.ring_order  # block r belongs to world rank r: index the blocks by ring position
+    return (ring.reduce_scatter if collective == "reduce_scatter" else ring.allgather)(
+        "world", t.ring_position, t.size, [counts[r] for r in order], [displs[r] for r in order], order=order)
+
+
+def swing_plan(collective: str, t: Topology, counts) -> list:
+    """Swing's bandwidth-optimal form (De Sensi et al., NSDI'24, section 3) on the grid."""
+    (x, y), (X, Y) = t.coords, t.dims
+    if collective == "allreduce":
+        return swing.allreduce(x, y, X, Y, counts, local=_local_axis(t))
+    return (swing.reduce_scatter if collective == "reduce_scatter" else swing.allgather)(
+        x, y, X, Y, counts, displacements(counts), local=_local_axis(t))
+
+
+def swing_latency_plan(collective: str, t: Topology, counts) -> list:
+    """Swing's latency-optimal all-reduce (ibid., section 3.1); ``effective`` sends its other collectives to
+    ``swing_plan``."""
+    if collective != "allreduce":
+        raise ValueError(f"swing_latency serves the all-reduce, not {collective} (see effective)")
+    (x, y), (X, Y) = t.coords, t.dims
+    return swing.allreduce_latency(x, y, X, Y, counts, local=_local_axis(t))
 
 
 def _local_axis(t: Topology) -> int | None:

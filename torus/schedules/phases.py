@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from torus.partition import displacements
 from torus.schedules import build as plans
-from torus.schedules import ring, torus2d
+from torus.schedules import registry, ring, torus2d
 from torus.topology import Topology
 
 
@@ -59,25 +59,17 @@ class Shm:
 def node_level(collective: str, algorithm: str, topology: Topology) -> str | None:
     """The communicator whose phases run over shared memory ("local", "row" or "col"), or None where no
     phase of ``algorithm`` (after ``schedules.build.effective``) lies within the nodes and holds several
-    ranks. The same on every rank: a function of the whole node layout and grid."""
-    t = topology
-    if t.nodes == 1:  # one node: the whole call is algorithm "shm"'s
+    ranks: the registry entry's ``node_level`` (torus/schedules/registry.py). The same on every rank: a
+    function of the whole node layout and grid."""
+    if topology.nodes == 1:  # one node: the whole call is algorithm "shm"'s
         return None
-    if algorithm == "hierarchical":
-        several = t.max_local > 1 if collective == "allreduce" else t.node_grid and t.local_size > 1
-        return "local" if several else None
-    if algorithm == "torus2d":
-        X, Y = t.dims
-        if t.node_axis == "row" and X > 1:
-            return "row"
-        if t.node_axis == "col" and Y > 1:
-            return "col"
-    return None
+    level = registry.get(algorithm).node_level
+    return None if level is None else level(collective, topology)
 
 
 def build(collective: str, algorithm: str, topology: Topology, counts, shared: bool) -> tuple:
     """The phases of ``topology.rank`` for one call (``counts``: as for ``schedules.build``): with ``shared``
-    and a ``node_level``, the phased form above; else the one plan of ``schedules.build``."""
+    and a ``node_level``, the entry's phased form (above); else the one plan of ``schedules.build``."""
     t = topology
     level = node_level(collective, algorithm, t) if shared else None
     if level is None:
@@ -86,8 +78,37 @@ def build(collective: str, algorithm: str, topology: Topology, counts, shared: b
             lo = displacements(counts)[t.rank]
             own = (lo, lo + counts[t.rank])
         return (Plan(plans.build(collective, algorithm, t, counts), own),)
-    if algorithm == "hierarchical" and collective == "allreduce":
+    phases = registry.get(algorithm).phases
+    assert phases is not None, f"{algorithm}: a node_level without phases"
+    return phases(collective, t, counts, level)
+
+
+def hierarchical_level(collective: str, t: Topology) -> str | None:
+    """hierarchical: its node-local phases, where a node holds several ranks (reduce-scatter and all-gather:
+    on the local x cross grid, nodes of equal size)."""
+    several = t.max_local > 1 if collective == "allreduce" else t.node_grid and t.local_size > 1
+    return "local" if several else None
+
+
+def torus2d_level(collective: str, t: Topology) -> str | None:
+    """torus2d: the grid axis that lies within the nodes, where it holds several ranks."""
+    X, Y = t.dims
+    if t.node_axis == "row" and X > 1:
+        return "row"
+    if t.node_axis == "col" and Y > 1:
+        return "col"
+    return None
+
+
+def hierarchical_phases(collective: str, t: Topology, counts, level: str) -> tuple:
+    """hierarchical: the leader form above for the all-reduce, the grid's ring phases otherwise."""
+    if collective == "allreduce":
         return _leader_allreduce(t, counts)
+    return torus2d_phases(collective, t, counts, level, "hierarchical")
+
+
+def torus2d_phases(collective: str, t: Topology, counts, level: str, algorithm: str = "torus2d") -> tuple:
+    """The ring phases of ``build.grid_phases``, the one on ``level`` over shared memory."""
     return tuple(_lowered(p, level) for p in plans.grid_phases(collective, algorithm, t, counts))
 
 

@@ -25,11 +25,11 @@ import sys
 
 from torus import cli
 from torus.bench.sweep import format_size, parse_size, size_steps
+from torus.sim import plans
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
 from torus.sim.network import Network
 from torus.sim.plans import COLLECTIVES
-from torus.sim.plans import DEFAULT as SCHEDULES
-from torus.sim.simulate import ALGORITHMS, simulate
+from torus.sim.simulate import algorithms, simulate
 from torus.topology import node_dims
 
 
@@ -89,6 +89,7 @@ def default_dims(n: int) -> tuple[int, int]:
 
 def parser() -> argparse.ArgumentParser:
     ap = cli.ArgumentParser(prog="torus-sim", description=__doc__)
+    names, schedules = algorithms(), plans.default()  # the registry's, now: a registered algorithm is a choice
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--sweep", action="store_true", help="every size from -b to -e by -f, at every --ranks")
     mode.add_argument("--paper", action="store_true",
@@ -120,8 +121,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-e", "--maxbytes", type=_size, default="1G", metavar="SIZE", help="--sweep: largest size")
     ap.add_argument("-f", "--stepfactor", type=int, default=4, metavar="F", help="--sweep: size factor per step")
     ap.add_argument("--dtype", choices=tuple(ITEMSIZE), default="float32", help="element type")
-    ap.add_argument("--algo", type=_list(str, ALGORITHMS), default=None, metavar="LIST",
-                    help=f"comma-separated, from {', '.join(ALGORITHMS)} (default: {', '.join(SCHEDULES)}; "
+    ap.add_argument("--algo", type=_list(str, names), default=None, metavar="LIST",
+                    help=f"comma-separated, from {', '.join(names)} (default: {', '.join(schedules)}; "
                          "with --step the profile's own; shm: the shared-memory transport, every rank on one "
                          "node: --ranks-per-node = --ranks)")
     ap.add_argument("--collective", type=_list(str, COLLECTIVES), default="allreduce", metavar="LIST",
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
     try:
         args = ap.parse_args(argv)
         if args.algo is None and args.step is None:
-            args.algo = list(SCHEDULES)
+            args.algo = list(plans.default())
         _check(ap, args)
     except SystemExit as e:  # a usage error (one line, from rank 0) or --help
         return e.code if isinstance(e.code, int) else 2

@@ -40,19 +40,41 @@ def _swing_axes(X: int, Y: int) -> list:
 
 
 def steps(algorithm: str, collective: str, N: int, X: int = 1, Y: int = 1, L: int = 1) -> int:
-    """Messages in sequence on the critical path."""
-    if algorithm in ("swing", "swing_latency"):
-        axes = _swing_axes(X, Y)
-        core = sum(k for k, _ in axes)
-        rounds = 2 if collective == "allreduce" and algorithm == "swing" else 1
-        return rounds * core + 2 * sum(f for _, f in axes)
-    if algorithm == "ring":
-        return (2 if collective == "allreduce" else 1) * (N - 1)
-    if algorithm == "hierarchical":
-        if collective == "allreduce":
-            return 2 * (L - 1) + 2 * (L > 1) + 2 * (N // L - 1)
-        X, Y = L, N // L
+    """Messages in sequence on the critical path: the registry entry's ``steps`` (torus/schedules/registry.py)."""
+    return _entry(algorithm, "steps")(collective, N, X, Y, L)
+
+
+def ring_steps(collective: str, N: int, X: int, Y: int, L: int) -> int:
+    return (2 if collective == "allreduce" else 1) * (N - 1)
+
+
+def torus2d_steps(collective: str, N: int, X: int, Y: int, L: int) -> int:
     return (2 if collective == "allreduce" else 1) * ((X - 1) + (Y - 1))
+
+
+def hierarchical_steps(collective: str, N: int, X: int, Y: int, L: int) -> int:
+    if collective == "allreduce":
+        return 2 * (L - 1) + 2 * (L > 1) + 2 * (N // L - 1)
+    return torus2d_steps(collective, N, L, N // L, L)  # the 2D torus on the local x cross grid
+
+
+def swing_steps(collective: str, N: int, X: int, Y: int, L: int, rounds: int | None = None) -> int:
+    axes = _swing_axes(X, Y)
+    core = sum(k for k, _ in axes)
+    rounds = (2 if collective == "allreduce" else 1) if rounds is None else rounds
+    return rounds * core + 2 * sum(f for _, f in axes)
+
+
+def swing_latency_steps(collective: str, N: int, X: int, Y: int, L: int) -> int:
+    return swing_steps(collective, N, X, Y, L, rounds=1)  # the whole buffer once per core step
+
+
+def _entry(algorithm: str, form: str):
+    from torus.schedules import registry  # not at import: the registry loads this module's forms
+    f = getattr(registry.get(algorithm), form)
+    if f is None:
+        raise ValueError(f"{algorithm}: no closed form for its {form}")
+    return f
 
 
 def sent_per_rank(collective: str, N: int, M: float, folded_bytes: float = 0.0) -> float:
@@ -88,51 +110,72 @@ def inter_node_per_rank(algorithm: str, N: int, X: int, L: int, M: float) -> flo
 def time(algorithm: str, collective: str, M: float, alpha: float, beta: float, gamma: float, N: int,
          X: int = 1, Y: int = 1, L: int = 1, inter_alpha: float | None = None,
          inter_beta: float | None = None) -> float:
-    """Seconds for the symmetric case. ``inter_*`` price the column (torus2d with ``X = L``) or the cross
-    (hierarchical) level; ring uses one level."""
+    """Seconds for the symmetric case: the registry entry's ``time``. ``inter_*`` price the column (torus2d with
+    ``X = L``) or the cross (hierarchical) level; ring uses one level."""
     ae = alpha if inter_alpha is None else inter_alpha
     be = beta if inter_beta is None else inter_beta
-    rs, ag = collective in ("allreduce", "reduce_scatter"), collective in ("allreduce", "allgather")
+    return _entry(algorithm, "time")(collective, M, alpha, beta, gamma, N, X, Y, L, ae, be)
 
-    def ring(p, m, a, b, reduce=True, gather=True):  # one ring pass over m bytes on p ranks
-        return ((p - 1) * (a + (b + gamma) * m / p) if reduce else 0.0) + \
-               ((p - 1) * (a + b * m / p) if gather else 0.0)
 
-    if algorithm == "ring":
-        return ring(N, M, alpha, beta, rs, ag)
-    if algorithm == "swing_latency" and collective == "allreduce":
-        line = X == 1 or Y == 1
-        levels = [(ae, be) if X == 1 else (alpha, beta)] if line else [(alpha, beta), (ae, be)]
-        axes = _swing_axes(X, Y)
-        return sum(k * (a + (b + gamma) * M) + f * (2 * a + (2 * b + gamma) * M)
-                   for (k, f), (a, b) in zip(axes, levels))
-    if algorithm in ("swing", "swing_latency"):
-        if collective != "allreduce":
-            raise ValueError("swing: closed form for the all-reduce only (a reduce-scatter's or all-gather's "
-                             "groups of blocks may be several messages per step)")
-        line = X == 1 or Y == 1
-        levels = [(ae, be) if X == 1 else (alpha, beta)] if line else [(alpha, beta), (ae, be)]
-        axes = _swing_axes(X, Y)
-        first = 1 if len(axes) == 2 and axes[0][1] and not axes[1][1] and axes[1][0] else 0
-        ks = [k for k, _ in axes]
-        order = [a for k in range(max(ks)) for a in ((first, 1 - first) if len(axes) == 2 else (0,)) if k < ks[a]]
-        if len(axes) == 2 and L == X:  # the rows are the nodes: their steps first
-            order = [0] * ks[0] + [1] * ks[1]
-        t = 0.0
-        for s, a in enumerate(order):
-            m = M / 2 ** s  # what each rank holds before step s
-            if axes[a][1] and order.index(a) == s:  # the axis folds in and, mirrored, out here
-                t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m
-            t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m / 2
-        return t
-    if algorithm == "hierarchical" and collective == "allreduce":
-        C = N // L
-        funnel = (alpha + (L - 1) * beta * M / L) if L > 1 else 0.0
-        return ring(L, M, alpha, beta, True, False) + 2 * funnel + ring(C, M, ae, be) + \
-            ring(L, M, alpha, beta, False, True)
-    if algorithm == "hierarchical":
-        X, Y = L, N // L
+def _ring(p, m, a, b, gamma, reduce=True, gather=True):  # one ring pass over m bytes on p ranks
+    return ((p - 1) * (a + (b + gamma) * m / p) if reduce else 0.0) + \
+           ((p - 1) * (a + b * m / p) if gather else 0.0)
+
+
+def _halves(collective: str) -> tuple[bool, bool]:
+    """(reduce, gather): which halves of an all-reduce ``collective`` runs."""
+    return collective in ("allreduce", "reduce_scatter"), collective in ("allreduce", "allgather")
+
+
+def ring_time(collective, M, alpha, beta, gamma, N, X, Y, L, ae, be) -> float:
+    return _ring(N, M, alpha, beta, gamma, *_halves(collective))
+
+
+def torus2d_time(collective, M, alpha, beta, gamma, N, X, Y, L, ae, be) -> float:
+    rs, ag = _halves(collective)
     if collective == "allreduce":
-        return ring(X, M, alpha, beta) + ring(Y, M / X, ae, be)
+        return _ring(X, M, alpha, beta, gamma) + _ring(Y, M / X, ae, be, gamma)
     # reduce-scatter: column phase on row segments (M/Y each) first, then the row; all-gather the reverse
-    return ring(Y, M, ae, be, rs, ag) + ring(X, M / Y, alpha, beta, rs, ag)
+    return _ring(Y, M, ae, be, gamma, rs, ag) + _ring(X, M / Y, alpha, beta, gamma, rs, ag)
+
+
+def hierarchical_time(collective, M, alpha, beta, gamma, N, X, Y, L, ae, be) -> float:
+    if collective != "allreduce":  # the 2D torus on the local x cross grid
+        return torus2d_time(collective, M, alpha, beta, gamma, N, L, N // L, L, ae, be)
+    C = N // L
+    funnel = (alpha + (L - 1) * beta * M / L) if L > 1 else 0.0
+    return _ring(L, M, alpha, beta, gamma, True, False) + 2 * funnel + _ring(C, M, ae, be, gamma) + \
+        _ring(L, M, alpha, beta, gamma, False, True)
+
+
+def _swing_levels(X: int, Y: int, alpha, beta, ae, be) -> list:
+    line = X == 1 or Y == 1
+    return [(ae, be) if X == 1 else (alpha, beta)] if line else [(alpha, beta), (ae, be)]
+
+
+def swing_latency_time(collective, M, alpha, beta, gamma, N, X, Y, L, ae, be) -> float:
+    if collective != "allreduce":  # its reduce-scatter and all-gather are swing's
+        return swing_time(collective, M, alpha, beta, gamma, N, X, Y, L, ae, be)
+    levels = _swing_levels(X, Y, alpha, beta, ae, be)
+    return sum(k * (a + (b + gamma) * M) + f * (2 * a + (2 * b + gamma) * M)
+               for (k, f), (a, b) in zip(_swing_axes(X, Y), levels))
+
+
+def swing_time(collective, M, alpha, beta, gamma, N, X, Y, L, ae, be) -> float:
+    if collective != "allreduce":
+        raise ValueError("swing: closed form for the all-reduce only (a reduce-scatter's or all-gather's "
+                         "groups of blocks may be several messages per step)")
+    levels = _swing_levels(X, Y, alpha, beta, ae, be)
+    axes = _swing_axes(X, Y)
+    first = 1 if len(axes) == 2 and axes[0][1] and not axes[1][1] and axes[1][0] else 0
+    ks = [k for k, _ in axes]
+    order = [a for k in range(max(ks)) for a in ((first, 1 - first) if len(axes) == 2 else (0,)) if k < ks[a]]
+    if len(axes) == 2 and L == X:  # the rows are the nodes: their steps first
+        order = [0] * ks[0] + [1] * ks[1]
+    t = 0.0
+    for s, a in enumerate(order):
+        m = M / 2 ** s  # what each rank holds before step s
+        if axes[a][1] and order.index(a) == s:  # the axis folds in and, mirrored, out here
+            t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m
+        t += 2 * levels[a][0] + (2 * levels[a][1] + gamma) * m / 2
+    return t

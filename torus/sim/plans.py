@@ -21,14 +21,26 @@ import numpy as np
 
 from torus.partition import chunks
 from torus.runtime.compile import compile_plan
-from torus.schedules import ring, torus2d
+from torus.schedules import registry, ring, torus2d
 from torus.schedules.build import build, effective
 from torus.sim.model import Layout, SimulationError
 
+# The built-in schedules (tests parametrize over them); torus-sim reads the registry when it runs
+# (``schedules()``, ``default()``, an entry's ``orbit``), so a registered algorithm is replayed too.
 ALGORITHMS = ("ring", "hierarchical", "torus2d", "swing", "swing_latency")
 DEFAULT = ALGORITHMS[:4]  # torus-sim's default sweep: swing takes its latency-optimal form where it runs it
 NO_ORBIT = ("swing", "swing_latency")  # no rotation derives every rank from a few: replayed in full at every size
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+
+
+def schedules() -> tuple:
+    """The registered algorithms torus-sim replays as plans (registry order; ``shm`` is simulate's own)."""
+    return tuple(n for n in registry.simulated() if registry.get(n).build is not None)
+
+
+def default() -> tuple:
+    """torus-sim's default ``--algo`` list: the entries marked ``sim_default``, in registry order."""
+    return tuple(n for n in schedules() if registry.get(n).sim_default)
 
 
 def plan(algorithm: str, collective: str, rank: int, layout: Layout, count: int, itemsize: int,
@@ -162,22 +174,43 @@ def ring_orbit(size: int, count: int, comm: str, labelled_steps, world) -> RingA
 
 
 def orbit(algorithm: str, collective: str, layout: Layout, count: int) -> Arrays | RingArrays:
-    """Every rank's step-aligned messages (world-rank indices) for ring or torus2d (any collective) and the
-    hierarchical reduce-scatter/all-gather (the torus plans on the local x cross grid)."""
+    """Every rank's step-aligned messages (world-rank indices): the registry entry's ``orbit``
+    (torus/schedules/registry.py): ring or torus2d (any collective) and the hierarchical reduce-scatter/all-gather
+    (the torus plans on the local x cross grid)."""
+    fast = registry.get(algorithm).orbit
+    if fast is None:
+        raise SimulationError(f"torus-sim: {algorithm} has no orbit fast path (its peers are not a rotation "
+                              "of one rank's); replay it in full (method='full' or 'auto')")
+    return fast(collective, layout, count)
+
+
+def ring_orbit_of(collective: str, layout: Layout, count: int) -> RingArrays:
+    """The ring's orbit: rank 0's labelled plan, rotated."""
     N = layout.N
-    if algorithm == "ring":
-        if collective == "allreduce":
-            lab = ring.allreduce("world", 0, N, N)
-        else:
-            lab = getattr(ring, collective)("world", 0, N, [1] * N, list(range(N)))
-        return ring_orbit(N, count, "world", lab, np.arange(N))
-    if algorithm == "torus2d":
-        X, Y, row, col = layout.X, layout.Y, "row", "col"
-    elif collective != "allreduce":
-        X, Y, row, col = layout.ranks_per_node, N // layout.ranks_per_node, "local", "cross"
+    if collective == "allreduce":
+        lab = ring.allreduce("world", 0, N, N)
     else:
+        lab = getattr(ring, collective)("world", 0, N, [1] * N, list(range(N)))
+    return ring_orbit(N, count, "world", lab, np.arange(N))
+
+
+def torus2d_orbit(collective: str, layout: Layout, count: int) -> Arrays:
+    """The 2D torus' orbit: column ``x``'s representative ``(x, 0)``, shifted along the column."""
+    return _grid_orbit("torus2d", collective, layout, count, layout.X, layout.Y, "row", "col")
+
+
+def hierarchical_orbit(collective: str, layout: Layout, count: int) -> Arrays:
+    """The hierarchical reduce-scatter's and all-gather's orbit (the torus plans on the local x cross grid)."""
+    if collective == "allreduce":
         raise SimulationError("torus-sim: the hierarchical allreduce gathers several messages in one step; "
                               "torus.sim.simulate replays it per node instead")
+    L = layout.ranks_per_node
+    return _grid_orbit("hierarchical", collective, layout, count, L, layout.N // L, "local", "cross")
+
+
+def _grid_orbit(algorithm: str, collective: str, layout: Layout, count: int, X: int, Y: int, row: str,
+                col: str) -> Arrays:
+    N = layout.N
     names = {row: "row", col: "col"}
     ys = np.arange(Y)
     if collective == "allreduce":

@@ -6,15 +6,22 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from torus.partition import chunks
+from torus.schedules import registry
 from torus.schedules.build import swing_latency_bytes
 from torus.schedules.plan import Step
 from torus.sim import phased, replay, shm
 from torus.sim import plans as P
 from torus.sim.model import ITEMSIZE, Cost, Layout, SimulationError
 
-ALGORITHMS = (*P.ALGORITHMS, "shm")  # the schedules, and the shared-memory transport (one node)
+ALGORITHMS = (*P.ALGORITHMS, "shm")  # the built-ins it models; ``algorithms()`` reads the registry when asked
 FULL_MAX_RANKS = 64  # method="auto" replays every rank's real plan up to this many ranks
 SAMPLES = 6  # ranks whose real plans are checked against the orbit at larger sizes
+
+
+def algorithms() -> tuple:
+    """Every algorithm torus-sim models: the registered ones marked ``simulated`` (the schedules, and the
+    shared-memory transport ``shm``, one node), in registry order (torus/schedules/registry.py)."""
+    return registry.simulated()
 
 
 @dataclass
@@ -80,7 +87,7 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     Raises ValueError for unknown names or ``alloc`` with another collective than allreduce,
     SimulationError for a plan that cannot run or shm across nodes.
     """
-    if algorithm not in ALGORITHMS or collective not in P.COLLECTIVES or dtype not in ITEMSIZE:
+    if algorithm not in algorithms() or collective not in P.COLLECTIVES or dtype not in ITEMSIZE:
         raise ValueError(f"torus-sim: unknown algorithm/collective/dtype {algorithm}/{collective}/{dtype}")
     if alloc and collective != "allreduce":
         raise ValueError(f"torus-sim: alloc buffers serve in-place all-reduces, not {collective}")
@@ -97,7 +104,8 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
             return _result(algorithm, collective, layout, count, itemsize, max(t for t, _ in end.values()),
                            max(d for _, d in end.values()), st, mism, "phased")
     if method == "auto":
-        method = "full" if layout.N <= FULL_MAX_RANKS or algorithm in P.NO_ORBIT or layout.node_of else "orbit"
+        fast = registry.get(algorithm).orbit is not None
+        method = "full" if layout.N <= FULL_MAX_RANKS or not fast or layout.node_of else "orbit"
     if method == "full":
         plans = {r: P.plan(algorithm, collective, r, layout, count, itemsize, latency_bytes) for r in range(layout.N)}
         end, st, mism = replay.full(plans, layout, cost, itemsize)
@@ -106,7 +114,7 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
         return _result(algorithm, collective, layout, count, itemsize, time, depth, st, mism, "full")
     if method != "orbit":
         raise ValueError(f"torus-sim: unknown method {method!r}")
-    if algorithm in P.NO_ORBIT:
+    if registry.get(algorithm).orbit is None:
         raise SimulationError(f"torus-sim: {algorithm} has no orbit fast path (its peers are not a rotation "
                               "of one rank's); replay it in full (method='full' or 'auto')")
     if layout.node_of is not None:
@@ -115,6 +123,7 @@ def simulate(algorithm: str, collective: str, layout: Layout, count: int, dtype:
     if algorithm == "hierarchical" and layout.node_sizes is not None:
         raise SimulationError("torus-sim: the hierarchical orbit needs nodes of equal size; replay uneven "
                               "nodes in full (method='full')")
+    # Not an orbit of one plan: the leaders' ring between two node-local replays (below).
     if algorithm == "hierarchical" and collective == "allreduce":
         return _hierarchical_allreduce(layout, count, itemsize, cost)
     a = P.orbit(algorithm, collective, layout, count)
