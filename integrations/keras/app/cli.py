@@ -22,6 +22,8 @@ import re
 import sys
 import tempfile
 
+from torus.schedules import registry
+
 # The recipe for the embedded digits (ResNet-50 at 32x32, 2 ranks): LARS with a 1-epoch warm-up, batch 64 then
 # 128 (the linear rule doubles the peak rate with it), poly decay, batch-norm momentum 0.9. Measured: validation
 # top-1 0.91 after epoch 5, 0.97 after 6, 0.986 after 10 (plain SGD at batch 64 needs 19 epochs for 0.90).
@@ -88,8 +90,9 @@ def parser() -> argparse.ArgumentParser:
                    help="batch-norm moving-average momentum")
     p.add_argument("--mixed-precision", action="store_true", help="bfloat16 compute on CPU, float16 on GPU")
     p.add_argument("--algorithm", default="auto",
-                   choices=["torus2d", "ring", "hierarchical", "swing", "native", "auto"],
-                   help="all-reduce of the gradients (auto: by size and rank count, torus/select.py)")
+                   choices=[*registry.for_collective("allreduce"), "auto"],
+                   help="all-reduce of the gradients (auto: by size and rank count, torus/select.py; the choices: "
+                        "the registry's, torus/schedules/registry.py)")
     p.add_argument("--dims", metavar="XxY",
                    help="torus2d and swing grid, X*Y = the rank count (default: MPI_Dims_create's)")
     p.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"],
