@@ -109,3 +109,11 @@ def test_toy_accepted_by_torus_strategy(toy):
     registry.unregister(toy_algorithm.NAME)
     with pytest.raises(ValueError, match="unknown algorithm 'reverse_ring'"):
         TorusStrategy(algorithm=toy_algorithm.NAME, abort_on_exception=False)
+
+
+def test_toy_in_torus_train_choices(toy):
+    from torus.integrations.keras.app import cli as train_cli  # argparse only: TensorFlow is imported later
+    assert train_cli.parser().parse_args(["--algorithm", toy_algorithm.NAME]).algorithm == toy_algorithm.NAME
+    registry.unregister(toy_algorithm.NAME)
+    with pytest.raises(SystemExit):
+        train_cli.parser().parse_args(["--algorithm", toy_algorithm.NAME])
