@@ -140,7 +140,8 @@ def report(args) -> None:
     for r in records:
         c = r["cell"]
         acc = r["summary"]["val_top1"] if r.get("summary") else float("nan")
-        groups.setdefault((c["method"], c["global_batch"], c["lr"], c["epochs"], c["train_images"]), []).append(acc)
+        peak = c["lr"] * c["global_batch"] / c["base_batch"]  # at the (final) global batch
+        groups.setdefault((c["method"], c["global_batch"], peak, c["epochs"], c["train_images"]), []).append(acc)
     best: dict = {}  # (method, batch) -> (mean, spread, n, lr): a sweep keeps its best rate
     for (method, batch, lr, epochs, images), accs in groups.items():
         mean = statistics.fmean(accs)
@@ -148,11 +149,11 @@ def report(args) -> None:
         k = (method, batch, epochs, images)
         if k not in best or mean > best[k][0] or math.isnan(best[k][0]):
             best[k] = (mean, spread, len(accs), lr)
-    lines = ["| method | global batch | epochs | train images | test top-1 (mean ± sd) | seeds | peak lr |",
+    lines = ["| method | global batch | epochs | train images | test top-1 (mean ± sd) | seeds | peak rate |",
              "|---|---|---|---|---|---|---|"]
     for (method, batch, epochs, images), (mean, spread, n, lr) in sorted(best.items()):
         lines.append(f"| {method} | {batch} | {epochs} | {images or 'all'} | {mean:.4f} ± {spread:.4f} | {n} | "
-                     f"{lr:g} |")
+                     f"{lr:.4g} |")
     table = "\n".join(lines)
     print(table)
     args.out.with_suffix(".md").write_text(table + "\n")
@@ -168,6 +169,8 @@ def report(args) -> None:
             xs, ys, es = zip(*points)
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
     ax.set_xscale("log", base=2)
+    shown = sorted({b for (_, b, e, n) in best if (e, n) == budget})
+    ax.set_xticks(shown, [str(b) for b in shown])
     ax.set_xlabel("global batch")
     ax.set_ylabel("test top-1 (Fashion-MNIST, 10,000 images)")
     ax.set_title(f"ResNet-20, {args.epochs} epochs" + (f" of {args.train_images} images" if args.train_images
