@@ -2,8 +2,8 @@
 """Issue 45: does test accuracy hold as the global batch grows, and which method holds it? ResNet-20 on
 Fashion-MNIST with ``torus-train``, every cell the same epoch budget, several seeds.
 
-    .venv/bin/python bench/large_batch/study.py --epochs 30 --seeds 0,1,2 --out bench/large_batch/results/study.jsonl
-    .venv/bin/python bench/large_batch/study.py --report --out bench/large_batch/results/study.jsonl
+    .venv/bin/python bench/large_batch/study.py --epochs 10 --seeds 0,1,2 --out bench/large_batch/results/study.jsonl
+    .venv/bin/python bench/large_batch/study.py --report --epochs 10 --out bench/large_batch/results/study.jsonl
 
 Methods (``--methods``; the learning rates are flags, each a peak per 256 images scaled linearly with the
 global batch by torus-train, with a linear warm-up over ``--warmup`` of the budget, then torus-train's
@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--batches", default="128,512,2048,8192", help="global batches (16384 optional)")
     ap.add_argument("--methods", default="sgd,lars,lars-bsc,nesterov-sweep", help=f"from {', '.join(METHODS)}")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--epochs", type=int, default=30, help="the budget of every run")
+    ap.add_argument("--epochs", type=int, default=10, help="the budget of every run (README.md: its cost)")
     ap.add_argument("--train-images", type=int, help="train on this many images (smoke tests; default all)")
     ap.add_argument("--warmup", type=float, default=0.1, help="warm-up as a fraction of the epochs")
     ap.add_argument("--sgd-lr", type=float, default=0.1, help="SGD's peak rate per 256 images (Goyal et al.)")
