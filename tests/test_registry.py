@@ -41,6 +41,8 @@ def test_register_refuses_a_duplicate_or_a_bad_name():
         registry.register(registry.Algorithm("ring", "again"))
     with pytest.raises(ValueError, match="identifier"):
         registry.register(registry.Algorithm("a,b", "a list item"))
+    with pytest.raises(ValueError, match="needs a plan builder"):
+        registry.register(registry.Algorithm("planless", "no plan"))
     with pytest.raises(ValueError, match="built in"):
         registry.unregister("ring")
     with pytest.raises(KeyError, match="unknown algorithm 'butterfly'"):

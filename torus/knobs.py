@@ -30,8 +30,8 @@ class Knob:
 KNOBS: dict[str, Knob] = {
     # collectives (TorusComm's defaults; its arguments win)
     "TORUS_ALGO": Knob("auto", "str", "what `algorithm=\"auto\"` runs: `auto` (the table of torus/select.py) or "
-                       "`ring`, `torus2d`, `hierarchical`, `native`, `shm`, `swing`, `swing_latency`; read when a "
-                       "call shape is first seen"),
+                       "`ring`, `torus2d`, `hierarchical`, `native`, `shm`, `swing`, `swing_latency` or another "
+                       "algorithm registered in torus/schedules/registry.py; read when a call shape is first seen"),
     "TORUS_SWING_LATENCY_BYTES": Knob(0, "int", "`swing` all-reduces up to this many bytes run the "
                                       "latency-optimal form (`swing_latency`), larger ones the bandwidth-optimal "
                                       "one (0: 96 us on the link between nodes, 12 kB at 1 Gbit/s; 8 KiB on one "

@@ -56,13 +56,16 @@ _loading = False
 
 
 def register(entry: Algorithm) -> Algorithm:
-    """Append ``entry`` (after the built-ins); returns it. Raises ValueError for a name already registered or one
-    that is not a plain identifier (it is an ``--algo`` list item and a ``TORUS_ALGO`` value)."""
+    """Append ``entry`` (after the built-ins); returns it. Raises ValueError for a name already registered, one
+    that is not a plain identifier (it is an ``--algo`` list item and a ``TORUS_ALGO`` value), an entry without a
+    plan builder or with unknown collectives."""
     _load()
     if entry.name in _ENTRIES or entry.name == "auto":
         raise ValueError(f"algorithm {entry.name!r} is already registered")
     if not entry.name.isidentifier():
         raise ValueError(f"algorithm name {entry.name!r}: expected an identifier")
+    if entry.build is None:  # native and shm are transports TorusComm runs itself (comm.py's _direct)
+        raise ValueError(f"algorithm {entry.name!r}: a registered algorithm needs a plan builder")
     bad = [c for c in entry.collectives if c not in COLLECTIVES]
     if bad or not entry.collectives:
         raise ValueError(f"algorithm {entry.name!r}: collectives {entry.collectives!r}; expected some of "
