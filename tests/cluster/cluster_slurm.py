@@ -165,7 +165,7 @@ def _docs_script(name: str) -> str:
 
 @pytest.mark.parametrize("name", ["sbatch", "sbatch-torus-run"])
 def test_sbatch_script_of_the_docs(cluster, env, alone, tmp_path, name):
-    script = tmp_path / "torus.sbatch"
+    script = tmp_path / "train.sbatch"
     script.write_text(_docs_script(name))
     done = _run(cluster.command("sbatch", "--wait", script.name, *TRAIN, "--summary", str(tmp_path / "s.json")),
                 env, cwd=tmp_path)
