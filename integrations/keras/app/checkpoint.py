@@ -20,6 +20,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def save(directory: str | Path, epoch: int, model, state: dict, *, keep: int = 2
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = {f"w{i}": np.asarray(v.numpy()) for i, v in enumerate(model.weights)}
+    arrays: dict[str, Any] = {f"w{i}": np.asarray(v.numpy()) for i, v in enumerate(model.weights)}
     opt_vars = model.optimizer.variables if model.optimizer is not None else []
     arrays.update({f"o{i}": np.asarray(v.numpy()) for i, v in enumerate(opt_vars)})
     meta = {"state": state, "weights": _paths(model.weights), "optimizer": _paths(opt_vars)}

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -75,7 +76,7 @@ class Augment:
         """``"none"`` or a comma list of ``crop[=min_area]``, ``flip``, ``rotate[=degrees]``, ``color[=delta]``,
         ``noise[=stddev]`` (defaults 0.08, on, 10, 0.1, 0.02). Raises ``ValueError`` on an unknown name."""
         defaults = {"crop": 0.08, "flip": True, "rotate": 10.0, "color": 0.1, "noise": 0.02}
-        fields = {}
+        fields: dict[str, Any] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             if item == "none":
                 continue
@@ -145,7 +146,14 @@ def subset(split: Split, count: int) -> Split:
         raise DataError(f"--train-images {count}: the training data holds only {split.count} images")
     keep = np.sort(np.random.default_rng(0).permutation(split.count)[:count])
     items = split.items[keep] if isinstance(split.items, np.ndarray) else [split.items[i] for i in keep]
-    return dataclasses.replace(split, items=items, labels=split.labels[keep], count=count)
+    return dataclasses.replace(split, items=items, labels=_labels(split)[keep], count=count)
+
+
+def _labels(split: Split) -> np.ndarray:
+    """The labels of a folder or in-memory split (TFRecords carry theirs inside the records)."""
+    if split.labels is None:
+        raise DataError(f"{split.kind} data without labels")
+    return split.labels
 
 
 def shared_split(shard: Split, comm) -> Split:
@@ -247,11 +255,11 @@ def _open_folder(folder: Path, classes: list[str], rank: int, size: int) -> Spli
     # deal a fixed interleaving of classes so every rank's shard holds every class
     order = np.random.default_rng(0).permutation(len(paths))[rank::size]
     paths = [paths[i] for i in order]
-    labels = np.asarray(labels, np.int32)[order]
+    dealt = np.asarray(labels, np.int32)[order]
     indexed = tf.data.Dataset.from_tensor_slices(paths).map(tf.io.read_file).enumerate()
     bad = set(_scan(indexed, range(len(paths))))
     keep = [i for i in range(len(paths)) if i not in bad]
-    return Split("folder", [paths[i] for i in keep], labels[keep], len(classes), len(keep),
+    return Split("folder", [paths[i] for i in keep], dealt[keep], len(classes), len(keep),
                  [(paths[i], _UNDECODABLE) for i in sorted(bad)], listing=listing)
 
 
@@ -349,13 +357,13 @@ def _examples(split: Split, order: np.ndarray | None, shuffle_seed: int | None):
     """``(encoded, label)`` pairs of a rank's shard, in ``order`` (folder) or shuffled (TFRecord); for an
     in-memory split ``(pixels, label)``, in ``order``."""
     if split.kind == "array":
-        images, labels = split.items, split.labels
+        images, labels = split.items, _labels(split)
         if order is not None:
             images, labels = images[order], labels[order]
         return tf.data.Dataset.from_tensor_slices((images, labels))
     if split.kind == "folder":
         paths = np.asarray(split.items)
-        labels = split.labels
+        labels = _labels(split)
         if order is not None:
             paths, labels = paths[order], labels[order]
         return tf.data.Dataset.from_tensor_slices((paths, labels)).map(

@@ -37,7 +37,7 @@ def _write_split(root: Path, images, labels, size: int) -> None:
         folder = root / f"digit_{label}"
         folder.mkdir(parents=True, exist_ok=True)
         pixels = np.clip(image * (255.0 / 16.0), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels, "L").resize((size, size), Image.BILINEAR).convert("RGB") \
+        Image.fromarray(pixels, "L").resize((size, size), Image.Resampling.BILINEAR).convert("RGB") \
             .save(folder / f"{index:05d}.jpg", quality=95)
 
 

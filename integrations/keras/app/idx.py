@@ -26,8 +26,8 @@ KEYWORD = "fashion-mnist"
 NUM_CLASSES = 10
 FILES = {("train", "images"): "train-images-idx3-ubyte", ("train", "labels"): "train-labels-idx1-ubyte",
          ("test", "images"): "t10k-images-idx3-ubyte", ("test", "labels"): "t10k-labels-idx1-ubyte"}
-_DTYPES = {0x08: np.dtype("u1"), 0x09: np.dtype("i1"), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-           0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_DTYPES: dict[int, np.dtype] = {0x08: np.dtype("u1"), 0x09: np.dtype("i1"), 0x0B: np.dtype(">i2"),
+                                0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 _HINT = "apt-get install dataset-fashion-mnist, or --data DIR holding " + ", ".join(
     f"{name}[.gz]" for name in FILES.values())
 

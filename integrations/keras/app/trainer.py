@@ -13,6 +13,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from torus import knobs
 from torus.integrations.keras.app.cli import RECIPE
@@ -109,7 +110,8 @@ class StepClock:
     start-up, tracing and the first step (which retraces when the batch size changes) are left out."""
 
     def start_epoch(self) -> None:
-        self.first = self.last = None
+        self.first: float | None = None
+        self.last: float | None = None
         self.steps = 0
 
     def step_done(self) -> None:
@@ -120,8 +122,12 @@ class StepClock:
             self.steps += 1
         self.last = now
 
+    def seconds(self) -> float:
+        """From the end of the epoch's first step to the end of its last (0 before a second step)."""
+        return self.last - self.first if self.steps and self.first is not None and self.last is not None else 0.0
+
     def images_per_s(self, global_batch: int) -> float | None:
-        return self.steps * global_batch / (self.last - self.first) if self.steps else None
+        return self.steps * global_batch / self.seconds() if self.steps else None
 
 
 def _clock_callback(clock: StepClock):
@@ -199,8 +205,10 @@ class Trainer:
         self.augment = data.Augment.parse(args.augment or ("crop,flip" if args.data and not self.idx_root
                                                            else "none"))
         self.channels = 3
+        self.train_data: Any = None  # a data.Split; None with --synthetic, whose paths never read it
+        self.min_count = 0
         if args.synthetic:
-            self.num_classes, self.min_count, self.train_data = args.num_classes or 1000, None, None
+            self.num_classes = args.num_classes or 1000
         elif self.idx_root is not None:
             self.root = str(self.idx_root)
             self.train_split, self.val_split = _collective(comm, f"reading {self.root}", functools.partial(
@@ -408,7 +416,7 @@ class Trainer:
             _average_variables(self.comm, self.model.non_trainable_variables)
             record = {"epoch": epoch + 1, "global_batch": global_batch, "steps": steps, "seconds": seconds,
                       "images_per_s": self.clock.images_per_s(global_batch) or steps * global_batch / seconds,
-                      "timed_steps": self.clock.steps, "timed_seconds": self.clock.last - self.clock.first,
+                      "timed_steps": self.clock.steps, "timed_seconds": self.clock.seconds(),
                       "loss": logs["loss"],
                       "accuracy": logs["accuracy"], "learning_rate": logs.get("learning_rate"),
                       "allreduce_s": comm_s, "exposed_s": min(exposed_s, comm_s),  # a wait's own call, tiny buckets
