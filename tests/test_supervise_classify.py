@@ -193,9 +193,12 @@ def test_the_launch_and_probe_command_lines():
     assert here.probe("vm") == ["/bin/mpiexec", "-n", "1", "true"]
     srun = Launcher("srun", "/bin/srun", [])
     assert srun.job(placed, env, ["a"], excluded=["h3"]) == [
-        "/bin/srun", "--nodes=2", "--nodelist=h1,h2", "--ntasks=3", "--distribution=block", "--kill-on-bad-exit=1",
-        "--quit-on-interrupt", "--export=ALL,TORUS_JOB_ID=abc,TORUS_RESTART=1", "--exclude=h3", "a"]
-    assert srun.probe("h3") == ["/bin/srun", "--nodes=1", "--nodelist=h3", "--ntasks=1", "true"]
+        "/bin/srun", "--overlap", "--nodes=2", "--nodelist=h1,h2", "--ntasks=3", "--distribution=block",
+        "--kill-on-bad-exit=1", "--quit-on-interrupt", "--export=ALL,TORUS_JOB_ID=abc,TORUS_RESTART=1", "--exclude=h3",
+        "a"]
+    assert srun.probe("h3") == ["/bin/srun", "--overlap", "--nodes=1", "--nodelist=h3", "--ntasks=1", "true"]
+    told = Launcher("srun", "/bin/srun", ["--mpi=pmi2", "--overlap"])  # once, whether told or not
+    assert told.probe("h3")[:4] == ["/bin/srun", "--mpi=pmi2", "--overlap", "--nodes=1"]
 
 
 def test_the_restart_line_and_the_summary():

@@ -222,13 +222,15 @@ def test_inside_slurm_srun_launches_on_the_nodes_left(job, tmp_path, monkeypatch
     assert status == 0 and _launches(log) == {0: [0, 1, 2], 1: [0, 1]}, err
     calls = [json.loads(line) for line in srun_log.read_text().splitlines()]
     tail = [*command("slurm")]
-    assert calls[0] == ["--nodes=3", "--nodelist=node1,node2,node3", "--ntasks=3", "--distribution=block",
+    assert calls[0] == ["--overlap", "--nodes=3", "--nodelist=node1,node2,node3", "--ntasks=3",
+                        "--distribution=block",
                         "--kill-on-bad-exit=1", "--quit-on-interrupt",
                         "--export=ALL,TORUS_JOB_ID=j41,TORUS_RESTART=0,TORUS_RUN_PROGRESS=1",
                         *tail]
-    assert sorted(c[1] for c in calls[1:4]) == ["--nodelist=node1", "--nodelist=node2", "--nodelist=node3"]
+    assert sorted(c[2] for c in calls[1:4]) == ["--nodelist=node1", "--nodelist=node2", "--nodelist=node3"]
     assert all(c[-1] == "true" for c in calls[1:4])
-    assert calls[4] == ["--nodes=2", "--nodelist=node1,node2", "--ntasks=2", "--distribution=block",
+    assert calls[4] == ["--overlap", "--nodes=2", "--nodelist=node1,node2", "--ntasks=2",
+                        "--distribution=block",
                         "--kill-on-bad-exit=1", "--quit-on-interrupt",
                         "--export=ALL,TORUS_JOB_ID=j41,TORUS_RESTART=1,TORUS_RUN_PROGRESS=1",
                         "--exclude=node3", *tail]

@@ -12,7 +12,8 @@ running :class:`tests.cluster.slurm.SlurmCluster`, 2 nodes; SLURM_CONF set).
   process here.
 - ``torus-run`` inside ``salloc --no-kill`` (tests/cluster/supervise_worker.py): a rank killed (SIGKILL) is
   relaunched on the same nodes; with node 2's link cut, Slurm marks it down, the probe fails there and the
-  relaunch runs 2 ranks on node 1 (``--overlap``: see the test). Each relaunch all-reduces correctly.
+  relaunch runs 2 ranks on node 1 (torus-run passes srun ``--overlap``: see the test). Each relaunch
+  all-reduces correctly.
 
 Budget: four TensorFlow jobs of 4 ranks and one of 1 (their start-up dominates), and four short MPI jobs.
 """
@@ -224,10 +225,10 @@ def test_torus_run_in_salloc_relaunches_a_killed_rank(cluster, env):
 
 
 def test_torus_run_in_salloc_leaves_out_a_cut_node(cluster, env):
-    # --overlap: the step of launch 0 stays on record (holding the CPUs of node 1 too) until the cut node's
-    # slurmd reports it ended, which it cannot; without it the probe and the relaunch wait for those CPUs
+    # torus-run's own --overlap: the step of launch 0 stays on record (holding the CPUs of node 1 too) until the
+    # cut node's slurmd reports it ended, which it cannot; without it the probe and the relaunch would wait
     try:
-        text = _supervise(cluster, env, "--mpi=pmi2 --overlap", lambda: cluster.cut(2))
+        text = _supervise(cluster, env, "--mpi=pmi2", lambda: cluster.cut(2))
     finally:
         cluster.restore(2)
     n1, n2 = cluster.node(1), cluster.node(2)

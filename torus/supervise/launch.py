@@ -77,19 +77,27 @@ class Launcher:
         ranks = sum(h.slots for h in placed)
         if self.kind == "srun":
             exports = ",".join(f"{k}={v}" for k, v in env.items())
-            return [self.exe, *self.args, f"--nodes={len(placed)}", f"--nodelist={','.join(h.name for h in placed)}",
-                    f"--ntasks={ranks}", "--distribution=block", "--kill-on-bad-exit=1", "--quit-on-interrupt",
+            return [self.exe, *self.args, *self._overlap(), f"--nodes={len(placed)}",
+                    f"--nodelist={','.join(h.name for h in placed)}", f"--ntasks={ranks}", "--distribution=block",
+                    "--kill-on-bad-exit=1", "--quit-on-interrupt",
                     f"--export=ALL,{exports}",
                     *([f"--exclude={','.join(excluded)}"] if excluded else []), *command]
         hosts = [] if self.local else ["-hosts", ",".join(f"{h.name}:{h.slots}" for h in placed)]
         genv = [word for k, v in env.items() for word in ("-genv", k, v)]
         return [self.exe, *self.args, *hosts, "-n", str(ranks), *genv, *command]
 
+    def _overlap(self) -> list[str]:
+        """srun's ``--overlap`` (Slurm 20.11 on): the step of a lost node stays on record, holding its CPUs on
+        every node it ran on, until that node's slurmd answers; without it the relaunch and the probes wait
+        for those CPUs ("Requested nodes are busy") instead of starting."""
+        return [] if "--overlap" in self.args else ["--overlap"]
+
     def probe(self, host: str) -> list[str]:
         """The command line that runs ``true`` as one process on ``host``: it fails or hangs where the
         launcher cannot reach the host."""
         if self.kind == "srun":
-            return [self.exe, *self.args, "--nodes=1", f"--nodelist={host}", "--ntasks=1", "true"]
+            return [self.exe, *self.args, *self._overlap(), "--nodes=1", f"--nodelist={host}", "--ntasks=1",
+                    "true"]
         return [self.exe, *self.args, *([] if self.local else ["-hosts", host]), "-n", "1", "true"]
 
 
