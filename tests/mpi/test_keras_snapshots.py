@@ -60,9 +60,21 @@ def data():
     return x, (x[:, :3].sum(axis=1) > 0).astype("int32")
 
 
+class Logged(keras.callbacks.Callback):
+    """Each epoch's logs as the run that stopped saw them: the oracle of the History a resumed run returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs: list = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+
+
 def script(comm, callbacks=(), fits=1, batch_size=B, every=4):
     """The user's script: a model built under the scope, then ``fits`` fit calls of EPOCHS epochs each. A
-    snapshot every ``every`` steps from the first step on (steps 1 + k * every)."""
+    snapshot every ``every`` steps from the first step on (steps 1 + k * every). Returns the model and each
+    fit's History (``history.history``)."""
     strategy = TorusStrategy(comm=torus.TorusComm(comm, timeout=60), snapshot_steps=every, snapshot_seconds=0)
     keras.utils.set_random_seed(3)
     with strategy.scope():
@@ -74,7 +86,7 @@ def script(comm, callbacks=(), fits=1, batch_size=B, every=4):
     epochs_run = []
     for _ in range(fits):
         history = model.fit(x, y, batch_size=batch_size, epochs=EPOCHS, verbose=0, callbacks=list(callbacks))
-        epochs_run.append(len(history.history.get("loss", [])))
+        epochs_run.append(history.history)
     if strategy.snapshots is not None:
         strategy.snapshots.store(next(iter(strategy.snapshots._stores))).wait()
     return model, epochs_run
@@ -102,15 +114,19 @@ def survivors(world):
 def test_resume_on_fewer_ranks_equals_the_run_that_lost_nothing(world, job, monkeypatch, every, stop_at):
     want = reference_weights(world, monkeypatch)
     monkeypatch.setenv("TORUS_JOB_ID", "lossy")
+    logged = Logged()
     with pytest.raises(Stop):
-        script(world, [StopAt(stop_at)], every=every)
+        script(world, [logged, StopAt(stop_at)], every=every)
     snapped = max(s for s in range(1, stop_at, every))  # the newest snapshot
+    before = snapped // (ROWS // B)  # epochs whole at the snapshot
     comm, keep = survivors(world)
     if keep:
         monkeypatch.setenv("TORUS_RESTART", "1")
-        model, epochs_run = script(comm, every=every)
+        model, histories = script(comm, every=every)
         assert int(model.optimizer.iterations.numpy()) == EPOCHS * ROWS // B
-        assert epochs_run == [EPOCHS - snapped // (ROWS // B)]  # from the snapshot's epoch on
+        # the History holds every epoch: those before the snapshot as the stopped run logged them
+        assert len(histories) == 1 and len(histories[0]["loss"]) == EPOCHS, histories
+        assert histories[0]["loss"][:before] == [e["loss"] for e in logged.epochs[:before]]
         for got, expected in zip(model.get_weights(), want):
             np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
         comm.Free()
@@ -120,11 +136,14 @@ def test_resume_on_fewer_ranks_equals_the_run_that_lost_nothing(world, job, monk
 def test_earlier_fits_are_passed_over(world, job, monkeypatch):
     want = reference_weights(world, monkeypatch, fits=2)
     monkeypatch.setenv("TORUS_JOB_ID", "lossy")
+    logged = Logged()
     with pytest.raises(Stop):
-        script(world, [StopAt(EPOCHS * ROWS // B + 6)], fits=2)  # in the second fit
+        script(world, [logged, StopAt(EPOCHS * ROWS // B + 6)], fits=2)  # in the second fit
     monkeypatch.setenv("TORUS_RESTART", "1")
-    model, epochs_run = script(world, fits=2)
-    assert epochs_run == [0, EPOCHS]
+    model, histories = script(world, fits=2)
+    # the first fit ran no epoch, yet its History is the stopped run's; the second has all its epochs
+    assert histories[0]["loss"] == [e["loss"] for e in logged.epochs[:EPOCHS]], histories
+    assert len(histories[1]["loss"]) == EPOCHS
     for got, expected in zip(model.get_weights(), want):
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
 

@@ -53,6 +53,7 @@ PIPELINE = (
     ("result", "fit.inputs", "gather_predictions"),
     ("result", "fit.files", "files_in_place"),
     ("result", "fit.saving", "count_end"),
+    ("result", "fit.snapshots", "restore_history"),
 )
 
 _active = {"strategy": None, "local": 0}

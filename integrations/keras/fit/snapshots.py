@@ -9,23 +9,27 @@ hand under a plain ``mpiexec`` to resume a job of that id). Off otherwise: a pla
   copies the model's and the optimizer's variables to host memory and hands them to its ``SnapshotStore``,
   whose thread writes them (node-local storage: every surviving host holds a recent copy). With them: which
   ``fit`` of the process (its index), the epoch, the batches done in it, the global batch and the agreed
-  shuffle seed. No collective: the step does not wait.
+  shuffle seed, and every fit's History so far. No collective: the step does not wait. A snapshot due at an
+  epoch's last step is taken after the epoch's end (its validation and History in).
 - **Resuming.** At the first ``fit`` of the process, after the initial broadcast (``on_train_begin``), the
   ranks agree on the newest complete snapshot any of them holds for this job and model (``agree_newest``,
   one collective). Earlier ``fit`` calls of the script run no epoch; the snapshot's own ``fit`` assigns the
   variables, starts at its epoch, and passes over the batches already done in it (read from the data, not
   trained on), so training continues at the next global batch, in the same order: the shuffle seed comes
-  from the snapshot, and the rank count may differ (the global batch may not).
+  from the snapshot, and the rank count may differ (the global batch may not). Each fit returns its whole
+  History: the epochs before the restart (as logged then) in front of its own.
 
 What is not in a snapshot, and so not exact after a resume: the metric states of the resumed epoch (its
 logged training metrics cover the batches after the restart), a ``tf.data`` dataset whose order depends on how
-many times this process iterated it (``shuffle(reshuffle_each_iteration=True)``), per-rank random layers and
-BatchNormalization's per-rank statistics (rank 0's are restored). Custom loops call ``strategy.resume`` and
+many times this process iterated it (``shuffle(reshuffle_each_iteration=True)``), per-rank random layers,
+BatchNormalization's per-rank statistics (rank 0's are restored) and callbacks' own state (EarlyStopping's and
+ReduceLROnPlateau's best value and patience count, ModelCheckpoint's best). Custom loops call ``strategy.resume`` and
 ``strategy.snapshot`` themselves (``Session.resume`` / ``Session.take``); a process that called ``resume`` owns
 its snapshots, and its ``fit`` calls then take none (torus-train fits epoch by epoch so).
 """
 from __future__ import annotations
 
+import copy
 import sys
 import time
 import zlib
@@ -72,6 +76,10 @@ class Session:
         self.agreed = False
         self.manual = False  # the process called resume: it takes its own snapshots, fit none
         self.target: tuple | None = None  # (step, arrays, meta) to resume from, once agreed
+        # each fit's History so far ({fit index: {"epoch": [...], "history": {key: [...]}}}): in every snapshot,
+        # so that a resumed script's History objects hold the epochs trained before the restart
+        self.histories: dict = {}
+        self.restored: dict = {}  # fit index -> its History before the restart, merged in when the fit returns
         self._stores: dict = {}
 
     @classmethod
@@ -149,6 +157,7 @@ class SnapshotCallback(keras.callbacks.Callback):
         self.index = session.fits
         session.fits += 1
         self.epoch, self.skip, self._original_step = 0, 0, None
+        self._due_at_epoch_end: int | None = None
 
     def on_train_begin(self, logs=None):
         session, model = self.session, self.model
@@ -156,6 +165,10 @@ class SnapshotCallback(keras.callbacks.Callback):
         if session.target is None:
             return
         step, arrays, meta = session.target
+        if not session.histories:  # the first fit of a resumed process: every fit's History up to the snapshot
+            session.histories = meta.get("histories", {})
+        if meta["fit"] >= self.index and str(self.index) in session.histories:
+            session.restored[self.index] = copy.deepcopy(session.histories[str(self.index)])  # goes on growing
         if meta["fit"] > self.index:  # a fit the snapshot's run had finished: no epoch runs
             compat.set_initial_epoch(model, self.params["epochs"])
             return
@@ -204,18 +217,46 @@ class SnapshotCallback(keras.callbacks.Callback):
         step = int(self.model.optimizer.iterations.numpy())
         if not session.due(step):  # the variable list and meta only for a snapshot, not every step
             return
-        epoch, done = self.epoch, batch + 1
-        if done == self.params.get("steps"):
-            epoch, done = epoch + 1, 0
+        if batch + 1 == self.params.get("steps"):  # after the epoch's end: its validation and History are in
+            self._due_at_epoch_end = step
+            return
+        self._write(step, self.epoch, batch + 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        mine = self.session.histories.setdefault(str(self.index), {"epoch": [], "history": {}})
+        mine["epoch"].append(int(epoch))
+        for key, value in (logs or {}).items():
+            mine["history"].setdefault(key, []).append(float(value))
+        if self._due_at_epoch_end is not None:
+            self._write(self._due_at_epoch_end, epoch + 1, 0)
+            self._due_at_epoch_end = None
+
+    def _write(self, step: int, epoch: int, done: int) -> None:
+        session = self.session
         meta = {"fit": self.index, "epoch": epoch, "batch": done, "global_batch": self.global_batch,
                 "seed": None if self.order is None else self.order.seed, "ranks": session.torus_comm.size,
-                "restart": session.restart}
+                "restart": session.restart, "histories": copy.deepcopy(session.histories)}  # the store owns it
         session.write(state_variables(self.model), step, meta)
 
     def on_train_end(self, logs=None):
         compat.set_initial_epoch(self.model, None)
         if self._original_step is not None:
             self.model.train_function = self._original_step
+
+
+def restore_history(call, result):
+    """fit_hook stage "result" of ``fit``: the History of a fit that a resumed process passed over or resumed
+    gets the epochs trained before the restart, in front of its own."""
+    strategy = torus_strategy_of(call.arguments["self"])
+    session = getattr(strategy, "snapshots", None)
+    if call.method != "fit" or session is None or not isinstance(result, keras.callbacks.History):
+        return result
+    before = session.restored.pop(session.fits - 1, None)
+    if before:
+        result.epoch = list(before["epoch"]) + list(result.epoch)
+        keys = list(before["history"]) + [k for k in result.history if k not in before["history"]]
+        result.history = {k: list(before["history"].get(k, [])) + list(result.history.get(k, [])) for k in keys}
+    return result
 
 
 def add_snapshots(call) -> None:
