@@ -233,8 +233,10 @@ class Supervisor:
             slots = sum(h.slots for h in placed)
             if slots < self.args.min_np:
                 left = _names(usable) or "no host"
+                why = "".join(f"; {h.name} cooling down for {cooling[h.name]:.0f} s more (its ranks failed in two "
+                              f"launches in a row: --cooldown)" for h in known if h.name in cooling)
                 report.say(f"giving up: {verdict.reason}; {slots} slots left ({left}), fewer than --min-np "
-                           f"{self.args.min_np}")
+                           f"{self.args.min_np}{why}")
                 report.say(self.summary.line(status))
                 return status
             if self.stopped_by is not None:  # a signal during the probe
