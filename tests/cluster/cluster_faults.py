@@ -110,6 +110,7 @@ def test_a_cut_link_ends_every_process_on_both_hosts(cluster, job):
     # and host 1's first rank to time out printed the flight recorder's diagnosis (torus/recorder.py)
     diagnosis = out[out.find("torus doctor: communicator "):]
     assert "torus doctor: communicator " in out, out[-3000:]
+    print("the diagnosis as printed:\n" + "\n".join(diagnosis.splitlines()[:8]))  # the log shows it (-s)
     assert re.search(r"- rank [01] timed out (at step \d+/\d+ waiting on rank [23]|in the argument check)",
                      diagnosis), diagnosis[:3000]
 
