@@ -71,14 +71,14 @@ class Logged(keras.callbacks.Callback):
         self.epochs.append(dict(logs))
 
 
-def script(comm, callbacks=(), fits=1, batch_size=B, every=4):
+def script(comm, callbacks=(), fits=1, batch_size=B, every=4, activation="tanh"):
     """The user's script: a model built under the scope, then ``fits`` fit calls of EPOCHS epochs each. A
     snapshot every ``every`` steps from the first step on (steps 1 + k * every). Returns the model and each
     fit's History (``history.history``)."""
     strategy = TorusStrategy(comm=torus.TorusComm(comm, timeout=60), snapshot_steps=every, snapshot_seconds=0)
     keras.utils.set_random_seed(3)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation=activation),
                                   keras.layers.Dense(2)])
         model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)
@@ -146,6 +146,16 @@ def test_earlier_fits_are_passed_over(world, job, monkeypatch):
     assert len(histories[1]["loss"]) == EPOCHS
     for got, expected in zip(model.get_weights(), want):
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+
+
+def test_a_changed_model_with_the_same_variables_starts_fresh(world, job, monkeypatch, capfd):
+    # the same job id and variable shapes, another activation: the old snapshots are another model's
+    with pytest.raises(Stop):
+        script(world, [StopAt(14)])
+    monkeypatch.setenv("TORUS_RESTART", "1")
+    model, histories = script(world, activation="relu")
+    assert int(model.optimizer.iterations.numpy()) == EPOCHS * ROWS // B and len(histories[0]["loss"]) == EPOCHS
+    assert "torus-run: resumed at step" not in capfd.readouterr().err
 
 
 def test_another_global_batch_is_refused(world, job):

@@ -30,6 +30,8 @@ its snapshots, and its ``fit`` calls then take none (torus-train fits epoch by e
 from __future__ import annotations
 
 import copy
+import json
+import re
 import sys
 import time
 import zlib
@@ -46,10 +48,33 @@ from torus.integrations.keras.fit.inputs import torus_strategy_of
 PROGRESS_EVERY_S = 0.2  # torus-run's steps redone trail the failure by at most this
 
 
-def model_key(variables) -> str:
-    """The model key of a snapshot: a digest of the variables' count, shapes and dtypes, in order."""
-    layout = repr([(tuple(v.shape), str(v.dtype)) for v in variables]).encode()
+def model_key(variables, architecture: str = "") -> str:
+    """The model key of a snapshot: a digest of the variables' count, shapes and dtypes, in order, and of the
+    model's ``architecture`` (:func:`architecture`; empty for custom loops, which hand variables alone)."""
+    layout = (repr([(tuple(v.shape), str(v.dtype)) for v in variables]) + architecture).encode()
     return f"{len(variables)}-{zlib.crc32(layout):08x}"
+
+
+def architecture(model) -> str:
+    """The model's layers, each its class and configuration without names (Keras numbers those per process),
+    so that a model changed without changing its variables (another activation) keys other snapshots; a layer
+    whose configuration cannot be had counts by its class alone."""
+    def unnamed(value):
+        if isinstance(value, dict):  # a layer's name only ("trainable" beside it), not a dtype policy's
+            return {k: unnamed(v) for k, v in value.items() if k != "name" or "trainable" not in value}
+        if isinstance(value, (list, tuple)):
+            return [unnamed(v) for v in value]
+        return value
+
+    parts = []
+    for layer in getattr(model, "layers", []):
+        try:
+            config = unnamed(layer.get_config())
+        except (NotImplementedError, TypeError, ValueError):
+            config = None
+        parts.append([type(layer).__name__, config])
+    # an object without a config shows as its repr: its address differs from process to process
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", json.dumps(parts, sort_keys=True, default=str))
 
 
 def state_variables(model) -> list:
@@ -81,6 +106,7 @@ class Session:
         self.histories: dict = {}
         self.restored: dict = {}  # fit index -> its History before the restart, merged in when the fit returns
         self._stores: dict = {}
+        self.architecture = ""  # of fit's model (SnapshotCallback), part of the key
 
     @classmethod
     def create(cls, torus_comm, steps: int | None = None, seconds: float | None = None):
@@ -103,7 +129,7 @@ class Session:
         if self.agreed:
             return
         self.agreed = True
-        store = self.store(model_key(variables))
+        store = self.store(model_key(variables, self.architecture))
         self.target = snapshot.agree_newest(self.torus_comm.comm, store, stall_timeout(self.torus_comm))
 
     def due(self, step: int) -> bool:
@@ -120,7 +146,7 @@ class Session:
     def write(self, variables, step: int, meta: dict) -> None:
         """A snapshot of ``variables`` after ``step``, copied now and written in the background."""
         arrays = {str(k): np.array(v.numpy()) for k, v in enumerate(variables)}
-        self.store(model_key(variables)).save_async(step, arrays, meta)
+        self.store(model_key(variables, self.architecture)).save_async(step, arrays, meta)
         self.cadence.taken(step)
 
     def resume(self, variables) -> dict | None:
@@ -161,6 +187,8 @@ class SnapshotCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         session, model = self.session, self.model
+        if not session.agreed:
+            session.architecture = architecture(model)
         session.agree(state_variables(model))
         if session.target is None:
             return
