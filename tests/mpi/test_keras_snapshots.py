@@ -148,6 +148,32 @@ def test_earlier_fits_are_passed_over(world, job, monkeypatch):
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
 
 
+def plateau():
+    """Callbacks whose state spans epochs: no epoch counts as an improvement (min_delta), so EarlyStopping
+    stops at the end of epoch 2 and puts back epoch 0's weights, and ReduceLROnPlateau halves the rate then."""
+    return [keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=10.0, restore_best_weights=True),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=2, min_delta=10.0)]
+
+
+def test_callbacks_state_survives_the_resume(world, job, monkeypatch):
+    monkeypatch.delenv("TORUS_JOB_ID")
+    ref, _ = script(world, plateau())
+    want, want_lr = ref.get_weights(), float(ref.optimizer.learning_rate.numpy())
+    assert want_lr == pytest.approx(0.005)  # the oracle's own check: the rate was halved once
+    monkeypatch.setenv("TORUS_JOB_ID", "lossy")
+    with pytest.raises(Stop):
+        script(world, [*plateau(), StopAt(22)])  # after the snapshot of step 21, in epoch 2
+    comm, keep = survivors(world)
+    if keep:
+        monkeypatch.setenv("TORUS_RESTART", "1")
+        model, _ = script(comm, plateau())
+        assert float(model.optimizer.learning_rate.numpy()) == want_lr
+        for got, expected in zip(model.get_weights(), want):  # epoch 0's, put back by EarlyStopping
+            np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+        comm.Free()
+    world.Barrier()
+
+
 def test_a_changed_model_with_the_same_variables_starts_fresh(world, job, monkeypatch, capfd):
     # the same job id and variable shapes, another activation: the old snapshots are another model's
     with pytest.raises(Stop):

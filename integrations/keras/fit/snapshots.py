@@ -22,8 +22,8 @@ hand under a plain ``mpiexec`` to resume a job of that id). Off otherwise: a pla
 What is not in a snapshot, and so not exact after a resume: the metric states of the resumed epoch (its
 logged training metrics cover the batches after the restart), a ``tf.data`` dataset whose order depends on how
 many times this process iterated it (``shuffle(reshuffle_each_iteration=True)``), per-rank random layers,
-BatchNormalization's per-rank statistics (rank 0's are restored) and callbacks' own state (EarlyStopping's and
-ReduceLROnPlateau's best value and patience count, ModelCheckpoint's best). Custom loops call ``strategy.resume`` and
+BatchNormalization's per-rank statistics (rank 0's are restored) and the own state of callbacks other than
+EarlyStopping, ReduceLROnPlateau and ModelCheckpoint (those are held: fit/callback_state.py). Custom loops call ``strategy.resume`` and
 ``strategy.snapshot`` themselves (``Session.resume`` / ``Session.take``); a process that called ``resume`` owns
 its snapshots, and its ``fit`` calls then take none (torus-train fits epoch by epoch so).
 """
@@ -42,7 +42,7 @@ import numpy as np
 from torus import knobs, snapshot
 from torus.integrations.keras import compat
 from torus.integrations.keras.collectives.loop import stall_timeout
-from torus.integrations.keras.fit import inputs
+from torus.integrations.keras.fit import callback_state, inputs
 from torus.integrations.keras.fit.inputs import torus_strategy_of
 
 PROGRESS_EVERY_S = 0.2  # torus-run's steps redone trail the failure by at most this
@@ -143,9 +143,11 @@ class Session:
         if self.due(step):
             self.write(variables, step, meta)
 
-    def write(self, variables, step: int, meta: dict) -> None:
-        """A snapshot of ``variables`` after ``step``, copied now and written in the background."""
+    def write(self, variables, step: int, meta: dict, extra: dict | None = None) -> None:
+        """A snapshot of ``variables`` (and the arrays ``extra``, named otherwise) after ``step``, copied now and
+        written in the background."""
         arrays = {str(k): np.array(v.numpy()) for k, v in enumerate(variables)}
+        arrays.update(extra or {})
         self.store(model_key(variables, self.architecture)).save_async(step, arrays, meta)
         self.cadence.taken(step)
 
@@ -167,8 +169,9 @@ class Session:
 
 def assign(variables, arrays: dict, step: int, rank: int) -> None:
     """The snapshot's arrays into ``variables``, in order (the model key matched: same count, shapes, dtypes)."""
-    if len(arrays) != len(variables):
-        raise ValueError(f"TorusStrategy on rank {rank}: the snapshot of step {step} holds {len(arrays)} "
+    held = sum(name.isdigit() for name in arrays)  # the variables (callback_state's arrays are named otherwise)
+    if held != len(variables):
+        raise ValueError(f"TorusStrategy on rank {rank}: the snapshot of step {step} holds {held} "
                          f"variables, this model and optimizer {len(variables)}")
     for k, v in enumerate(variables):
         v.assign(arrays[str(k)])
@@ -177,9 +180,10 @@ def assign(variables, arrays: dict, step: int, rank: int) -> None:
 class SnapshotCallback(keras.callbacks.Callback):
     """Takes snapshots after steps and resumes from one at ``on_train_begin`` (the module docstring)."""
 
-    def __init__(self, session: Session, order, global_batch: int | None):
+    def __init__(self, session: Session, order, global_batch: int | None, siblings: list):
         super().__init__()
         self.session, self.order, self.global_batch = session, order, global_batch
+        self.siblings = siblings  # the fit call's other callbacks (callback_state)
         self.index = session.fits
         session.fits += 1
         self.epoch, self.skip, self._original_step = 0, 0, None
@@ -212,6 +216,7 @@ class SnapshotCallback(keras.callbacks.Callback):
                              f"global batch it was taken with, batch_size={meta['global_batch']}, not "
                              f"{self.global_batch}: pass the global batch, not a per-rank one times the ranks")
         assign(state_variables(model), arrays, step, rank)
+        callback_state.restore(self.siblings, meta.get("callbacks"), arrays)  # after their on_train_begin
         if self.order is not None and meta["seed"] is not None:
             self.order.reseed(meta["seed"])
         epoch, done = meta["epoch"], meta["batch"]
@@ -261,10 +266,12 @@ class SnapshotCallback(keras.callbacks.Callback):
 
     def _write(self, step: int, epoch: int, done: int) -> None:
         session = self.session
+        callbacks, extra = callback_state.capture(self.siblings)
         meta = {"fit": self.index, "epoch": epoch, "batch": done, "global_batch": self.global_batch,
                 "seed": None if self.order is None else self.order.seed, "ranks": session.torus_comm.size,
-                "restart": session.restart, "histories": copy.deepcopy(session.histories)}  # the store owns it
-        session.write(state_variables(self.model), step, meta)
+                "restart": session.restart, "histories": copy.deepcopy(session.histories),  # the store owns it
+                "callbacks": callbacks}
+        session.write(state_variables(self.model), step, meta, extra)
 
     def on_train_end(self, logs=None):
         compat.set_initial_epoch(self.model, None)
@@ -298,4 +305,7 @@ def add_snapshots(call) -> None:
     x = call.arguments["x"]
     order = x if isinstance(x, inputs.AgreedOrder) else None
     global_batch = order.batch_size if order is not None else call.arguments.get("batch_size")
-    add_callback(call, SnapshotCallback, session, order, global_batch)
+    given = call.arguments.get("callbacks")
+    siblings = list(given.callbacks if isinstance(given, keras.callbacks.CallbackList)
+                    else keras.tree.flatten(given) if given else [])
+    add_callback(call, SnapshotCallback, session, order, global_batch, siblings)
