@@ -113,6 +113,10 @@ class Session:
         job_id = knobs.read("TORUS_JOB_ID")
         return cls(torus_comm, job_id, steps, seconds) if job_id else None
 
+    def store_folder(self) -> str:
+        """This job's snapshot folder on this node (``TORUS_SNAPSHOT_DIR/<job id>``)."""
+        return str(snapshot.SnapshotStore(None, self.job_id, "-").folder)
+
     def store(self, key: str):
         if key not in self._stores:
             self._stores[key] = snapshot.SnapshotStore(None, self.job_id, key)
@@ -214,7 +218,9 @@ class SnapshotCallback(keras.callbacks.Callback):
         if meta["global_batch"] != self.global_batch:
             raise ValueError(f"TorusStrategy fit on rank {rank}: resuming the snapshot of step {step} needs the "
                              f"global batch it was taken with, batch_size={meta['global_batch']}, not "
-                             f"{self.global_batch}: pass the global batch, not a per-rank one times the ranks")
+                             f"{self.global_batch}: pass the global batch, not a per-rank one times the ranks "
+                             f"(to train at another global batch, start afresh: another TORUS_JOB_ID / torus-run "
+                             f"--job-id, or remove {self.session.store_folder()})")
         assign(state_variables(model), arrays, step, rank)
         callback_state.restore(self.siblings, meta.get("callbacks"), arrays)  # after their on_train_begin
         if self.order is not None and meta["seed"] is not None:
