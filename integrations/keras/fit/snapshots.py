@@ -23,9 +23,9 @@ What is not in a snapshot, and so not exact after a resume: the metric states of
 logged training metrics cover the batches after the restart), a ``tf.data`` dataset whose order depends on how
 many times this process iterated it (``shuffle(reshuffle_each_iteration=True)``), per-rank random layers,
 BatchNormalization's per-rank statistics (rank 0's are restored) and the own state of callbacks other than
-EarlyStopping, ReduceLROnPlateau and ModelCheckpoint (those are held: fit/callback_state.py). Custom loops call ``strategy.resume`` and
-``strategy.snapshot`` themselves (``Session.resume`` / ``Session.take``); a process that called ``resume`` owns
-its snapshots, and its ``fit`` calls then take none (torus-train fits epoch by epoch so).
+EarlyStopping, ReduceLROnPlateau and ModelCheckpoint (those are held: fit/callback_state.py). Custom loops call
+``strategy.resume`` and ``strategy.snapshot`` themselves (``Session.resume`` / ``Session.take``); a process that
+called ``resume`` owns its snapshots, and its ``fit`` calls then take none (torus-train fits epoch by epoch so).
 """
 from __future__ import annotations
 
