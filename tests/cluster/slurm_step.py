@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -17,6 +18,7 @@ from pathlib import Path
 
 PMI_MISREAD = re.compile(r"mpi/pmi2: (?:invalid client request|value not properly terminated|request not begin)")
 GRACE_S = 20.0  # after the first misread line: the step may still finish (a misread of a request it repeats)
+DRAIN_S = 60.0  # for the ended step's job to leave the queue: until then a new one waits for its nodes
 
 
 def run(cmd: list[str], env: dict, cwd: Path, limit_s: float, attempts: int = 2) -> tuple[int | None, str, str]:
@@ -28,7 +30,26 @@ def run(cmd: list[str], env: dict, cwd: Path, limit_s: float, attempts: int = 2)
             return status, out, err
         print(f"slurm step: Slurm's pmi2 plugin misread a PMI request ({PMI_MISREAD.search(err).group(0)}) and "
               f"the step hung in MPI_Init; starting it again (attempt {attempt + 1} of {attempts})", flush=True)
+        _drain(env)
     raise AssertionError("unreachable")
+
+
+def _drain(env: dict) -> None:
+    """Cancel this cluster's jobs (the ended step's job stays on record, holding its nodes) and wait until
+    the queue is empty, at most DRAIN_S."""
+    scancel, squeue = shutil.which("scancel", path=env.get("PATH")), shutil.which("squeue", path=env.get("PATH"))
+    if scancel is None or squeue is None:
+        return
+    subprocess.run([scancel, "--user", str(os.getuid()), "--signal=KILL", "--full"], env=env, check=False,
+                   capture_output=True, timeout=30)
+    subprocess.run([scancel, "--user", str(os.getuid())], env=env, check=False, capture_output=True, timeout=30)
+    deadline = time.monotonic() + DRAIN_S
+    while time.monotonic() < deadline:
+        listed = subprocess.run([squeue, "--noheader", "--user", str(os.getuid())], env=env, check=False,
+                                capture_output=True, text=True, timeout=30)
+        if listed.returncode == 0 and not listed.stdout.strip():
+            return
+        time.sleep(1.0)
 
 
 def _once(cmd: list[str], env: dict, cwd: Path, limit_s: float) -> tuple[int | None, str, str, bool]:
@@ -43,8 +64,12 @@ def _once(cmd: list[str], env: dict, cwd: Path, limit_s: float) -> tuple[int | N
                 seen = now if PMI_MISREAD.search(err_file.read()) else None
             if now - t0 > limit_s or (seen is not None and now - seen > GRACE_S):
                 misread = seen is not None
-                os.killpg(proc.pid, signal.SIGKILL)  # salloc ignores SIGTERM
-                proc.wait()
+                os.killpg(proc.pid, signal.SIGTERM)  # srun cancels its step and job on SIGTERM
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)  # salloc ignores SIGTERM
+                    proc.wait()
                 status = None
                 break
             time.sleep(1.0)
