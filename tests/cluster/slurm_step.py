@@ -40,8 +40,6 @@ def _drain(env: dict) -> None:
     scancel, squeue = shutil.which("scancel", path=env.get("PATH")), shutil.which("squeue", path=env.get("PATH"))
     if scancel is None or squeue is None:
         return
-    subprocess.run([scancel, "--user", str(os.getuid()), "--signal=KILL", "--full"], env=env, check=False,
-                   capture_output=True, timeout=30)
     subprocess.run([scancel, "--user", str(os.getuid())], env=env, check=False, capture_output=True, timeout=30)
     deadline = time.monotonic() + DRAIN_S
     while time.monotonic() < deadline:

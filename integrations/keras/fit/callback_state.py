@@ -29,9 +29,9 @@ def _named(callbacks: list) -> list[tuple[str, Any, tuple]]:
     seen: dict = {}
     out = []
     for callback in callbacks:
-        kept = next((names for cls, names in ATTRIBUTES if isinstance(callback, cls)), None)
-        if kept is not None:
-            base = next(cls.__name__ for cls, _ in ATTRIBUTES if isinstance(callback, cls))
+        found = next(((cls.__name__, names) for cls, names in ATTRIBUTES if isinstance(callback, cls)), None)
+        if found is not None:
+            base, kept = found
             out.append((f"{base}#{seen.get(base, 0)}", callback, kept))
             seen[base] = seen.get(base, 0) + 1
     return out
