@@ -16,7 +16,7 @@ from torus.sim.cli import main
 from torus.sim.model import Cost, Layout
 from torus.sim.profile import Bucket, Profile
 
-TIMELINE = Path(__file__).resolve().parents[1] / "bench" / "results" / "overlap_timeline_2x1_1gbit.json"
+TIMELINE = Path(__file__).resolve().parents[1] / "bench" / "overlap" / "results" / "overlap_timeline_2x1_1gbit.json"
 
 
 def _table_price(table: dict[int, float]):

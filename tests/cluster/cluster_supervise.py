@@ -139,7 +139,7 @@ def test_a_host_whose_rank_was_killed_but_answers_keeps_its_slot(cluster, superv
     print(f"\n{restart[0]}\n{summary}")
 
 
-TRAIN_JOB = Path(__file__).resolve().parents[2] / "bench" / "fault_train_job.py"
+TRAIN_JOB = Path(__file__).resolve().parents[2] / "bench" / "fault_injection" / "fault_train_job.py"
 RANK_WRAPPER = TRAIN_JOB.with_name("fault_rank.sh")
 TRAIN_EPOCHS, TRAIN_STEPS = 3, 23  # bench/fault_train_job.py: 23 global batches of 60 an epoch
 KILL_AT = 35  # in epoch 2, after the snapshot of step 31 (every 10 steps from step 1)
