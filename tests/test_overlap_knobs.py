@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 from torus.integrations.keras.collectives.buckets import BUCKET_BYTES  # noqa: E402
-from torus.integrations.keras.collectives.loop import resolve_bucket_bytes, resolve_overlap  # noqa: E402
+from torus.integrations.keras.collectives.host import resolve_bucket_bytes, resolve_overlap  # noqa: E402
 from torus.runtime.progress import threads_ok  # noqa: E402
 
 
@@ -82,10 +82,10 @@ def test_one_inter_op_thread_warns_once_that_nothing_is_hidden(monkeypatch, thre
     fix, overlap still on; 0 (TensorFlow's default: one per core) and 2 do not warn, nor overlap off."""
     import tensorflow as tf
 
-    from torus.integrations.keras.collectives import loop
+    from torus.integrations.keras.collectives import host
     monkeypatch.delenv("TORUS_OVERLAP", raising=False)
     monkeypatch.setattr(tf.config.threading, "get_inter_op_parallelism_threads", lambda: threads)
-    monkeypatch.setattr(loop, "_warned_inter_op", [])
+    monkeypatch.setattr(host, "_warned_inter_op", [])
     for call in range(2):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")

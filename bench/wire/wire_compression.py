@@ -3,7 +3,7 @@
     python -m tests.cluster --name fp16 run -- -n 2 .venv/bin/python bench/wire/wire_compression.py \
         --algo auto,native --rounds 3 --json bench/wire/results/wire_compression_2x1.jsonl
 
-``HostAllreduce`` (integrations/keras/collectives/loop.py, what ``TorusStrategy(compression=...)`` calls every step)
+``HostAllreduce`` (integrations/keras/collectives/host.py, what ``TorusStrategy(compression=...)`` calls every step)
 on one flat float32 buffer of ``--count`` elements (default: ResNet-50's gradient count), op avg: ``none``
 all-reduces it as float32, ``fp16``/``bf16`` narrow it, all-reduce the 16-bit copy in place and widen it back. Each
 round runs every (algorithm, compression) once, ``--iters`` timed calls after one untimed, the order flipping every
@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import torus  # noqa: E402
-from torus.integrations.keras.collectives.loop import HostAllreduce  # noqa: E402
+from torus.integrations.keras import HostAllreduce  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -9,12 +9,12 @@ broadcast and global metrics happen inside ``fit`` / ``evaluate`` / ``predict``)
 
 Names are imported on first use, so the schedules work without importing TensorFlow.
 
-Laid out by role: ``strategy`` (the strategy) and ``compat`` (every Keras / TensorFlow internal used and every
-patch site) at the top; ``fit/`` the stages that make ``fit`` / ``evaluate`` / ``predict`` data-parallel;
-``collectives/`` all-reduce, broadcast and all-gather of TensorFlow tensors (custom loops, gradient buckets,
-sparse gradients, the timeline); ``training/`` LARS and batch-size control; ``app/`` the ``torus-train``
-application (CLI, trainer, input pipelines, checkpoints, trace breakdown); ``horovod/`` the Horovod-compatible
-module.
+Laid out by role: ``strategy`` (the strategy), ``creation`` (its variable creator) and ``compat`` (every Keras /
+TensorFlow internal used and every patch site) at the top; ``fit/`` the stages that make ``fit`` / ``evaluate``
+/ ``predict`` data-parallel (the step timeline among them); ``collectives/`` all-reduce, broadcast and
+all-gather of TensorFlow tensors (custom loops, gradient buckets, sparse gradients, the timeline's lanes);
+``training/`` LARS and batch-size control; ``app/`` the ``torus-train`` application (CLI, trainer, input
+pipelines, checkpoints, trace breakdown); ``horovod/`` the Horovod-compatible module.
 """
 import importlib
 
@@ -22,7 +22,7 @@ _MODULE = {
     "LARS": "training.lars",
     "BatchSizeSchedule": "training.schedule", "LearningRateRule": "training.schedule",
     "BatchControl": "training.callbacks",
-    "HostAllreduce": "collectives.loop", "allreduce_tensors": "collectives.loop",
+    "HostAllreduce": "collectives.host", "allreduce_tensors": "collectives.reducer",
     "broadcast_variables": "collectives.loop",
     "TorusStrategy": "strategy",
 }

@@ -10,21 +10,21 @@ here, at import, and nowhere else in ``torus.integrations.keras`` (tests/test_ke
 - a module or attribute of ``REQUIRED`` missing (a Keras release moved it): ``ImportError`` naming it, the
   installed versions and the tested range, so a changed Keras fails at import, never as a silent local run.
 
-Patch sites: ``install()`` (called by ``TorusStrategy.__init__``) wraps each class or module attribute listed in
-``PATCH_SITES`` once per process, with the wrapper its owning module builds; per-object patches (an optimizer's
-``apply``, a model's ``train_step``, a tracker's ``update_state``, a callback's class) go through
-``set_on_instance`` / ``del_on_instance`` / ``swap_class``. Subclasses that override private methods
-(``_TorusExtended`` in strategy.py, the rank-aware checkpoint callbacks in files.py) are listed in ``REQUIRED``
-so a renamed base method fails the import instead of silently never being called.
+Patch sites: ``install()`` (called by ``TorusStrategy.__init__``) iterates ``PATCH_SITES``, one row per class or
+module attribute, and wraps each once per process with the wrapper its row names; a test holds every row to
+``REQUIRED``. Per-object patches (an optimizer's ``apply``, a model's ``train_step``, a tracker's
+``update_state``, a callback's class) go through ``set_on_instance`` / ``del_on_instance`` / ``swap_class``.
+Subclasses that override private methods (``_TorusExtended`` in strategy.py, the rank-aware checkpoint callbacks
+in files.py) are listed in ``REQUIRED`` so a renamed base method fails the import instead of silently never
+being called.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -75,7 +75,7 @@ REQUIRED: tuple[tuple[object, tuple[str, ...]], ...] = (
                                                "_experimental_distribute_dataset", "_container_strategy",
                                                "_call_for_each_replica")),
     ("distribute_lib", ("_get_default_strategy",)),
-    ("tf_optimizer", ("TFOptimizer",)),
+    ("tf_optimizer", ("TFOptimizer", "filter_empty_gradients")),
     ("tf_optimizer.TFOptimizer", ("_all_reduce_sum_gradients",)),
     (keras.callbacks.ModelCheckpoint, ("_save_model",)),
     (keras.callbacks.BackupAndRestore, ("_save_model",)),
@@ -203,6 +203,7 @@ file_utils = _modules["file_utils"]
 io_utils = _modules["io_utils"]
 saving_api = _modules["saving_api"]
 TFOptimizer = _modules["tf_optimizer"].TFOptimizer
+filter_empty_gradients = _modules["tf_optimizer"].filter_empty_gradients  # Keras' check of a gradient list
 
 
 def model_strategy(model):
@@ -352,34 +353,48 @@ def original(fn):
     return getattr(fn, "_torus_original", fn)
 
 
-def install() -> None:
-    """Wrap every one of ``PATCH_SITES`` (once per process)."""
-    from torus.integrations.keras.collectives import gradients
-    from torus.integrations.keras.fit import fit_hook, inputs, metrics, saving
+class Site(NamedTuple):
+    """One row of ``PATCH_SITES``: ``owner.name`` becomes ``module.wrapper(current, *args)``."""
 
-    for method in fit_hook.METHODS:
-        patch(TensorFlowTrainer, method, functools.partial(fit_hook.wrap, method=method))
-    patch(TensorFlowTrainer, "make_train_function", lambda fn: metrics.global_step_maker(fn, "train_step"))
-    patch(TensorFlowTrainer, "make_test_function", lambda fn: metrics.global_step_maker(fn, "test_step"))
-    patch(TensorFlowTrainer, "_maybe_symbolic_build", inputs.build_without_peeking)
-    patch(Trainer, "get_metrics_result", metrics.global_metrics_result)
-    patch(CompileLoss, "call", metrics.share_weighted)
-    patch(TFOptimizer, "_all_reduce_sum_gradients", gradients.as_gradients)
-    for name, what in saving.PATCHED.items():
-        patch(saving_api, name, functools.partial(saving.coordinated, what=what), aliases=saving.ALIASES)
-    if hasattr(keras.Model, "export"):
-        patch(keras.Model, "export", lambda fn: saving.coordinated(fn, "Model.export"))
+    owner: object  # as in REQUIRED: a module key and attribute path ("trainer.TensorFlowTrainer"), or an object
+    name: str  # the attribute replaced
+    module: str  # the module of torus.integrations.keras that builds the wrapper
+    wrapper: str  # its function, called with the current attribute and ``args``
+    args: tuple = ()
+    aliases: tuple[str, ...] = ()  # modules that re-export the same object: rebound too
+    optional: bool = False  # a public attribute some tested Keras lacks: skipped there, so not in REQUIRED
 
 
-PATCH_SITES = (
-    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.fit / evaluate / predict (fit_hook.wrap)",
-    "TensorFlowTrainer.make_train_function / make_test_function (metrics.global_step_maker)",
-    "TensorFlowTrainer._maybe_symbolic_build (inputs.build_without_peeking)",
-    "keras.src.trainers.trainer.Trainer.get_metrics_result (metrics.global_metrics_result)",
-    "keras.src.trainers.compile_utils.CompileLoss.call (metrics.share_weighted)",
-    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients (gradients.as_gradients)",
-    "keras.src.saving.saving_api.save_model / save_weights, and keras.saving / keras.models (saving.coordinated)",
-    "keras.Model.export (saving.coordinated)",
-    "keras.optimizers.Optimizer.variables and subclasses' own (horovod.keras2.install: callable too, as Keras 2's "
-    "method; on importing torus.integrations.keras.horovod only)",
+_SAVING_ALIASES = ("keras.saving", "keras.models")  # re-export saving_api's functions (Model.save calls those)
+
+# Every class or module attribute torus replaces, in the order install() wraps them. Not here: the Horovod
+# module's ``keras.optimizers.Optimizer.variables`` (``horovod.keras2.install``, on importing it only).
+PATCH_SITES: tuple[Site, ...] = (
+    Site("trainer.TensorFlowTrainer", "fit", "fit.fit_hook", "wrap", ("fit",)),
+    Site("trainer.TensorFlowTrainer", "evaluate", "fit.fit_hook", "wrap", ("evaluate",)),
+    Site("trainer.TensorFlowTrainer", "predict", "fit.fit_hook", "wrap", ("predict",)),
+    Site("trainer.TensorFlowTrainer", "make_train_function", "fit.metrics", "global_step_maker", ("train_step",)),
+    Site("trainer.TensorFlowTrainer", "make_test_function", "fit.metrics", "global_step_maker", ("test_step",)),
+    Site("trainer.TensorFlowTrainer", "_maybe_symbolic_build", "fit.inputs", "build_without_peeking"),
+    Site("base_trainer.Trainer", "get_metrics_result", "fit.metrics", "global_metrics_result"),
+    Site("compile_utils.CompileLoss", "call", "fit.metrics", "share_weighted"),
+    Site("tf_optimizer.TFOptimizer", "_all_reduce_sum_gradients", "collectives.gradients", "as_gradients"),
+    Site("saving_api", "save_model", "fit.saving", "coordinated", ("Model.save",), _SAVING_ALIASES),
+    Site("saving_api", "save_weights", "fit.saving", "coordinated", ("Model.save_weights",), _SAVING_ALIASES),
+    Site(keras.Model, "export", "fit.saving", "coordinated", ("Model.export",), optional=True),
 )
+
+
+def wrapper_of(site: Site) -> Callable[[Any], Any]:
+    """``site``'s wrapper maker: the current attribute in, its wrapper out (imports the building module)."""
+    build = getattr(importlib.import_module(f"torus.integrations.keras.{site.module}"), site.wrapper)
+    return lambda current: build(current, *site.args)
+
+
+def install() -> None:
+    """Wrap every row of ``PATCH_SITES`` (once per process)."""
+    for site in PATCH_SITES:
+        owner = _resolve(site.owner)
+        if site.optional and not hasattr(owner, site.name):
+            continue
+        patch(owner, site.name, wrapper_of(site), aliases=site.aliases)

@@ -1,17 +1,15 @@
 """TorusStrategy: data-parallel ``model.fit`` over MPI ranks, as a ``tf.distribute.Strategy``.
 
-Underneath it is TensorFlow's one-device strategy (variables and compute on this process' CPU or its one
-GPU) with overrides in its extended class: the replica count is the number of MPI ranks, and
-``reduce_to`` / ``batch_reduce_to`` run ``torus.integrations.keras.collectives.loop.allreduce_tensors``: one fused
-``tf.numpy_function`` into ``TorusComm.allreduce``. Keras 3's optimizer reaches them through the replica
-context's ``all_reduce`` of the gradient list, after clipping and the loss-scale check; inside ``fit`` the
-gradients are all-reduced earlier instead, at the start of ``optimizer.apply`` (``gradients.py``), and that later
-reduction passes them through. Keras scales each rank's loss by ``1 / num_replicas_in_sync``, so the summed
-gradient is the mean over the global batch and one step equals one single-process step on the concatenated
-batch (up to summation order). ``experimental_distribute_dataset`` (Keras' route for every input) returns
-this rank's share (``inputs.split_batches``) as a plain ``tf.data`` dataset, without TF's MultiDeviceIterator;
-``distribute_datasets_from_function`` gives ``dataset_fn`` one input pipeline per rank and returns its dataset
-as this rank's. The variable creator gives every variable created under the scope rank 0's initial value
+Underneath it is TensorFlow's one-device strategy (variables and compute on this process' CPU or its one GPU) with
+overrides in its extended class: the replica count is the number of MPI ranks, and ``reduce_to`` /
+``batch_reduce_to`` (the replica context's collectives) run the reducer (``collectives/reducer.py``). Gradients
+reach it on their own route (``collectives/gradients.py``): at the start of ``optimizer.apply`` inside ``fit``, else
+where Keras' optimizer sums them. Keras scales each rank's loss by ``1 / num_replicas_in_sync``, so the summed
+gradient is the mean over the global batch and one step equals one single-process step on the concatenated batch (up
+to summation order). ``experimental_distribute_dataset`` (Keras' route for every input) returns this rank's share
+(``inputs.split_batches``) as a plain ``tf.data`` dataset, without TF's MultiDeviceIterator;
+``distribute_datasets_from_function`` gives ``dataset_fn`` one input pipeline per rank and returns its dataset as
+this rank's. The variable creator gives every variable created under the scope rank 0's initial value
 (``creation.py``).
 
 This relies on TensorFlow internals (``OneDeviceExtended``: its private methods are overridden), resolved and
@@ -20,7 +18,7 @@ it. Why not ``MirroredStrategy``: with one local device it never calls custom cr
 """
 from __future__ import annotations
 
-import contextlib
+from typing import ClassVar
 
 import tensorflow as tf
 from mpi4py import MPI
@@ -29,15 +27,11 @@ from torus import TorusComm, agreement, faults, knobs
 from torus.errors import MismatchError
 from torus.integrations.keras import compat
 from torus.integrations.keras.collectives import trace
-from torus.integrations.keras.collectives.loop import (
-    HostAllreduce,
-    broadcast_variables,
-    stall_timeout,
-    wait_for_every_rank,
-)
-from torus.integrations.keras.collectives.sparse import reduce_gradients
+from torus.integrations.keras.collectives.host import HostAllreduce
+from torus.integrations.keras.collectives.loop import broadcast_variables, stall_timeout, wait_for_every_rank
+from torus.integrations.keras.collectives.reducer import reduce_gradients
+from torus.integrations.keras.creation import InitialValues
 from torus.integrations.keras.fit import fit_hook, inputs, saving, snapshots
-from torus.integrations.keras.fit.creation import InitialValues
 from torus.schedules import registry
 
 
@@ -60,28 +54,8 @@ class _TorusExtended(compat.OneDeviceExtended):
     def __init__(self, container, host: HostAllreduce, replica_host: HostAllreduce, device: str):
         super().__init__(container, device)
         self._host = host
-        self._replica_host = replica_host  # the replica context's other collectives (TorusStrategy.__init__)
-        self._passing = 0
-        self._gradients = 0
+        self._replica_host = replica_host  # the replica context's collectives (TorusStrategy.__init__)
         self._initial_values = InitialValues(host.torus_comm)
-
-    @contextlib.contextmanager
-    def gradients_reduced(self):
-        """While open (at trace time), reductions pass their values through: they are reduced already."""
-        self._passing += 1
-        try:
-            yield
-        finally:
-            self._passing -= 1
-
-    @contextlib.contextmanager
-    def reducing_gradients(self):
-        """While open (at trace time), reductions are of gradients: they go to the bucketed host (gradients.py)."""
-        self._gradients += 1
-        try:
-            yield
-        finally:
-            self._gradients -= 1
 
     @property
     def _num_replicas_in_sync(self):
@@ -93,12 +67,11 @@ class _TorusExtended(compat.OneDeviceExtended):
         return tf.nest.pack_sequence_as(value, reduced)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        # The replica context's collectives (SyncBN's moments, ctx.all_reduce, strategy.reduce): gradients reach
+        # the reducer on their own route (gradients.py), never this one.
         values = [_local(v) for v, _ in value_destination_pairs]
-        if self._passing:
-            return values
         op = "avg" if reduce_op == tf.distribute.ReduceOp.MEAN else "sum"
-        host = self._host if self._gradients else self._replica_host
-        return reduce_gradients(host, values, op)  # IndexedSlices stay sparse (sparse.py)
+        return reduce_gradients(self._replica_host, values, op)  # IndexedSlices stay sparse (sparse.py)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         with tf.device(self._device), _RankReplicaContext(self._container_strategy(), self._host.torus_comm.rank):
@@ -198,6 +171,9 @@ class TorusStrategy(tf.distribute.Strategy):
     every rank constructs it together. Raises ``ValueError`` for an unknown algorithm or compression.
     """
 
+    latest: ClassVar[TorusStrategy | None] = None  # the one this process created last (fit_hook.strategy_of)
+    local_depth: ClassVar[int] = 0  # > 0 inside fit_hook.local(): fit / evaluate / predict run as plain Keras
+
     def __init__(self, dims=None, algorithm: str = "auto", compression: str = "none", comm=None,
                  device: str = "/cpu:0", abort_on_exception: bool = True, overlap: bool | None = None,
                  bucket_bytes: int | None = None, sparse_as_dense: bool = False, snapshot_steps: int | None = None,
@@ -232,6 +208,7 @@ class TorusStrategy(tf.distribute.Strategy):
             self.replica_host.timeline, self.replica_host.name = self.timeline, "replica allreduce"
             self.replica_host.lane = self.metrics_host.lane = "replica"
         self.save_notices = saving.SaveNotices(torus_comm)
+        self.next_split = "eval"  # how inputs.split_batches splits the next dataset (fit's inputs stage: "train")
         super().__init__(_TorusExtended(self, self.host, self.replica_host, device))
         fit_hook.install(self)
 
@@ -269,8 +246,8 @@ class TorusStrategy(tf.distribute.Strategy):
 
     def allreduce_gradients(self, grads, op: str = "avg"):
         """All-reduce of a gradient list for custom loops (mean over ranks by default): dense ones as in
-        ``loop.allreduce_tensors``, ``tf.IndexedSlices`` all-gathered as IndexedSlices unless
-        ``sparse_as_dense`` (``sparse.reduce_gradients``)."""
+        ``reducer.allreduce_tensors``, ``tf.IndexedSlices`` all-gathered as IndexedSlices unless
+        ``sparse_as_dense`` (``reducer.reduce_gradients``)."""
         return reduce_gradients(self.host, list(grads), op)
 
     def broadcast_variables(self, variables, root: int = 0) -> None:

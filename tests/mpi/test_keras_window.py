@@ -22,6 +22,7 @@ from oracle import one_node  # noqa: E402
 from torus import TorusComm  # noqa: E402
 from torus.integrations.keras import HostAllreduce, TorusStrategy, allreduce_tensors  # noqa: E402
 from torus.integrations.keras.collectives import window as window_module  # noqa: E402
+from torus.integrations.keras.collectives.buckets import MAX_STAGING  # noqa: E402
 from torus.integrations.keras.fit import fit_hook  # noqa: E402
 
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -98,16 +99,16 @@ def test_held_outputs_are_never_overwritten(world, tc, rng):
 
 
 def test_more_layouts_than_kept(world, tc, rng):
-    """Cycling through more layouts than MAX_LAYOUTS: the least recently used shared buffer is freed (on
+    """Cycling through more layouts than MAX_STAGING: the least recently used shared buffer is freed (on
     every rank at the same call) and results stay right."""
     host = HostAllreduce(tc, "auto")
-    n = window_module.MAX_LAYOUTS + 2
+    n = MAX_STAGING + 2
     for _ in range(2):
         for k in range(1, n + 1):
             x = rng.integers(-50, 50, k).astype(np.int64)
             (got,) = allreduce_tensors(host, [tf.constant(x)], "sum")
             np.testing.assert_array_equal(got.numpy(), _mpi_sum(world, x))
-    assert host.windows.windows == (window_module.MAX_LAYOUTS if SHM else 0)
+    assert host.windows.windows == (MAX_STAGING if SHM else 0)
     assert host.windows.made == (2 * n if SHM else 0)
 
 
@@ -119,7 +120,7 @@ def test_a_full_dev_shm_keeps_ordinary_buffers(world, tc, rng, monkeypatch):
     monkeypatch.setattr(shm_module, "SHM_HEADROOM_BYTES", 1 << 62)
     host = HostAllreduce(tc, "auto")
     for _ in range(2):
-        for k in range(1, window_module.MAX_LAYOUTS + 3):
+        for k in range(1, MAX_STAGING + 3):
             x = rng.integers(-50, 50, k).astype(np.int64)
             (got,) = allreduce_tensors(host, [tf.constant(x)], "sum")
             np.testing.assert_array_equal(got.numpy(), _mpi_sum(world, x))

@@ -14,8 +14,8 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 from torus import TorusComm  # noqa: E402
+from torus.integrations.keras import HostAllreduce, allreduce_tensors  # noqa: E402
 from torus.integrations.keras.collectives.buckets import MAX_STAGING  # noqa: E402
-from torus.integrations.keras.collectives.loop import HostAllreduce, allreduce_tensors  # noqa: E402
 from torus.runtime.progress import progress_for  # noqa: E402
 from torus.select import ALGORITHMS  # noqa: E402
 

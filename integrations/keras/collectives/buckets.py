@@ -1,33 +1,26 @@
-"""Gradient buckets all-reduced on the communication thread while TensorFlow computes the rest of backprop.
+"""The host side of every all-reduce of tensors: one routine per bucket (reducer.py builds the graph around it).
 
-``allreduce_bucketed(host, tensors, op)`` is ``allreduce_tensors`` inside a ``tf.function`` when
-``host.overlap`` is on. At trace time the tensors are grouped into buckets (``plan``: reverse list order, which
-for a model's gradients is about the order backprop produces them; one dtype per bucket; the first bucket at
-most ``FIRST_BUCKET_BYTES`` as in PyTorch DDP, each next one's cap ``host.bucket_growth`` times the one before,
-up to ``host.bucket_bytes``: why, docs/design.md, "Gradient buckets"). Per bucket the graph gets
+A bucket is a group of tensors of one dtype, all-reduced as one buffer. Its routine has two halves:
 
-- a *start* op (``tf.numpy_function``; stateless where ``host.replica_apart``, so that no earlier stateful op
-  such as a SyncBN all-reduce gates it in program order) whose inputs are only that bucket's tensors, so
-  TensorFlow runs it as soon as they exist: it copies them (cast to the wire dtype where compressed) into the
-  bucket's persistent buffer, queues the bucket's all-reduce on the ``TorusComm``'s communication thread
-  (``torus.runtime.progress``) and returns a token. Each start has a control dependency on the previous op of
-  its host (``after_previous``): every rank queues the buckets in the order of ``plan``, fixed by the model,
-  never by readiness;
-- a *wait* op taking that token and the last start's token: it runs only after every start (a blocked wait
-  must not hold one of TensorFlow's inter-op threads while backprop still needs it), blocks until the
-  bucket is reduced (the GIL released), re-raises the thread's error, and returns the bucket's result.
+- ``pack`` (in the op that receives the tensors: TensorFlow may reuse their memory once it returns): copy them,
+  cast to the wire format where compressed (``torus.kernels.narrow``), into the bucket's buffer. That is a
+  persistent ``TorusComm.alloc`` window where the shared-memory transport runs the all-reduce (every rank
+  reduces its chunk reading the peers' buffers where they lie: window.py), else a persistent staging array;
+- ``reduce`` (inline, or on the communication thread while backprop goes on): ``TorusComm.allreduce`` of the
+  buffer, in place (out of place into a fresh array where the buffer is a staging array in the tensors' own
+  dtype), then unpack: one array per tensor, views of that fresh array or copies (widened where compressed)
+  into reusable aligned output buffers (window.py). One timeline span, one flight-recorder caller.
 
-The reduction itself is ``TorusComm.allreduce`` of the whole bucket with the host's algorithm (where that is the
-shared-memory transport, in place in a ``TorusComm.alloc`` buffer per bucket: window.py), so every algorithm,
-transport and compression works per bucket as for the fused buffer. The first time a layout (its buckets'
-dtypes and sizes, the op, the wire format) runs, the ranks agree on it in its first start, before any of its
-buckets moves (``MismatchError`` naming the ranks that differ and both layouts; inside a ``tf.function`` it
-reaches the caller as TensorFlow wraps a Python error of a ``tf.numpy_function``: a ``tf.errors.OpError``,
-here ``InvalidArgumentError`` as for any ``ValueError``, whose message starts with it). Results are bitwise
-equal across ranks; against one fused buffer they differ only by float summation order (chunks fall
-elsewhere).
+``run`` does both halves for every bucket of one call, inline (overlap off, eager calls, shapes unknown when
+traced). ``start`` and ``wait`` split them (overlap on): ``start`` packs, agrees on the layout the first time it
+runs (its buckets' dtypes and sizes, the op, the wire format: ``MismatchError`` naming the ranks that differ,
+before any bucket moves) and queues ``reduce`` on the ``TorusComm``'s communication thread
+(``torus.runtime.progress``); ``wait`` returns the arrays and re-raises the thread's error. Buffers are kept per
+(layout, bucket), at most ``MAX_STAGING`` per host, the least recently used freed (collective for a window:
+every rank makes the same calls in the same order).
 
-Program order, the timing kept per host and the timeline spans: docs/design.md ("Gradient buckets").
+``plan`` groups tensors into buckets for overlap: reverse list order, which for a model's gradients is about
+the order backprop produces them (why, and the ramp of caps: docs/design.md, "Gradient buckets").
 """
 from __future__ import annotations
 
@@ -35,12 +28,10 @@ import time
 from collections import OrderedDict
 
 import numpy as np
-import tensorflow as tf
 
 from torus import IN_PLACE, agreement, kernels, recorder
 from torus.errors import MismatchError
 from torus.errors import TimeoutError as TorusTimeout
-from torus.integrations.keras.collectives.window import pack
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20  # the default cap (TORUS_BUCKET_BYTES); bench/overlap.py measures it
@@ -76,68 +67,165 @@ def plan(sizes_bytes: list[int], dtypes: list, cap: int, first_cap: int = FIRST_
     return buckets
 
 
+def by_dtype(dtypes: list) -> list[list[int]]:
+    """One bucket per dtype, in the order the dtypes first appear, each one's indices in list order. Pure."""
+    return [[i for i, d in enumerate(dtypes) if d == dt] for dt in dict.fromkeys(dtypes)]
+
+
+def pack(pieces, buf: np.ndarray, narrow: bool) -> None:
+    """Copy the numpy arrays ``pieces`` (one dtype, any shapes) one after another into the first elements of
+    the flat ``buf``, cast with ``kernels.narrow`` (float32 to buf's float16/bfloat16) where ``narrow``; one
+    pass, no temporary. ``buf`` must hold at least their total size."""
+    offset = 0
+    for p in pieces:
+        part = buf[offset:offset + p.size]
+        if narrow:
+            kernels.narrow(p.reshape(-1), part)
+        else:
+            np.copyto(part, p.reshape(-1))
+        offset += p.size
+
+
+def unpack(buf: np.ndarray, outputs: list, widen: bool) -> None:
+    """``pack``'s inverse: consecutive slices of the flat ``buf`` into ``outputs`` (arrays of any shapes),
+    widened with ``kernels.widen`` where ``widen``."""
+    offset = 0
+    for view in outputs:
+        part = buf[offset:offset + view.size]
+        if widen:
+            kernels.widen(part, view.reshape(-1))
+        else:
+            np.copyto(view.reshape(-1), part)
+        offset += view.size
+
+
+def views(flat: np.ndarray, shapes: list) -> list:
+    """Consecutive views of the flat ``flat``, one per shape."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape, dtype=np.int64))
+        out.append(flat[offset:offset + n].reshape(shape))
+        offset += n
+    return out
+
+
 class Buckets:
-    """The host side of the bucketed all-reduce of one ``HostAllreduce``: staging buffers, tokens, layout
-    agreement, time. ``start`` and ``wait`` run inside the graph's ``tf.numpy_function`` ops."""
+    """The buckets of one ``HostAllreduce`` (reducer.py): buffers, the routine, tokens, layout agreement, time.
+    ``steps``: gradient steps so far (bucket 0 of an overlapped call starts one); ``comm_seconds`` /
+    ``exposed_seconds`` / ``buckets_run``: the overlapped buckets' all-reduce time, the time ``wait`` blocked,
+    and how many ran (the inline calls count in ``HostAllreduce.seconds`` / ``calls``)."""
 
     def __init__(self, host):
         self.host = host
-        self._staging: OrderedDict = OrderedDict()  # (layout, bucket) -> buffer the start copies into
-        self._pending: dict = {}  # token -> Future of the bucket's result
-        self._layouts: list = []  # layout id -> (op, wire name, ((dtype, count), ...))
+        self._staging: OrderedDict = OrderedDict()  # (layout, bucket) -> the buffer its pack fills
+        self._pending: dict = {}  # token -> Future of the bucket's arrays
+        self._layouts: dict = {}  # (op, ((dtype, count), ...)) -> layout id
+        self._describe_of: list = []  # layout id -> that key
         self._agreed: set = set()
         self._tokens = 0
-        self.steps = 0  # gradient steps of this process (bucket 0 starts one)
+        self.steps = 0
         self.comm_seconds = self.exposed_seconds = 0.0
         self.buckets_run = 0
 
-    def layout_id(self, op: str, groups: list) -> int:
-        """A small id for a layout, made at trace time: ``groups`` is [(numpy dtype, element count)]."""
+    def layout_id(self, op: str, groups) -> int:
+        """A small id for an overlapped call's layout, made at trace time: ``groups`` is [(numpy dtype, element
+        count)] per bucket."""
         key = (op, tuple((np.dtype(d).str, int(n)) for d, n in groups))
-        if key not in self._layouts:
-            self._layouts.append(key)
-        return self._layouts.index(key)
+        found = self._layouts.get(key)
+        if found is None:
+            found = self._layouts[key] = len(self._describe_of)
+            self._describe_of.append(key)
+        return found
 
-    def _buffer(self, layout: int, bucket: int, dtype: np.dtype, count: int, windowed: bool) -> np.ndarray:
-        key = (layout, bucket)
+    def _buffer(self, key, dtype: np.dtype, count: int, windowed: bool) -> np.ndarray:
+        """The persistent buffer of bucket ``key`` = (layout, bucket): a shared window (collective, so made on
+        the communication thread) or a staging array."""
         buf = self._staging.get(key)
         if buf is not None:
             self._staging.move_to_end(key)
             return buf
-        if windowed:  # a shared TorusComm.alloc buffer: collective, so it is made on the communication thread
-            buf = self.host.progress.call(self.host.windows.bucket_window, key, dtype, count)
-        else:
-            buf = np.empty(count, dtype)
+        windows = self.host.windows
+        buf = self.host.progress.call(windows.alloc, key, dtype, count) if windowed else np.empty(count, dtype)
         self._staging[key] = buf
         while len(self._staging) > MAX_STAGING:  # every rank drops the same one (same calls, same order)
-            old_key, old = self._staging.popitem(last=False)
-            self.host.progress.call(self.host.windows.free_bucket, old_key)
+            old_key, _ = self._staging.popitem(last=False)
+            self.host.progress.call(windows.free, old_key)
         return buf
 
-    def start(self, layout: int, bucket: int, windowed: bool, pieces) -> np.int64:
-        """Copy ``pieces`` (numpy arrays, one dtype) into the bucket's buffer, queue its all-reduce; a token."""
+    def pack(self, key, windowed: bool, pieces) -> np.ndarray:
+        """The routine's first half: the buffer of the bucket ``key`` (layout, bucket), filled with ``pieces``."""
+        wire = self.host.wire_of(pieces[0].dtype)
+        buf = self._buffer(key, wire or pieces[0].dtype, sum(p.size for p in pieces), windowed)
+        pack(pieces, buf, wire is not None)
+        return buf
+
+    def reduce(self, bucket: int, buf: np.ndarray, op: str, dtype: np.dtype, shapes: list, windowed: bool,
+               span: str, caller: str) -> list:
+        """The routine's second half: all-reduce ``buf`` with ``op`` and unpack it into one array of ``dtype``
+        per shape of ``shapes``, under the flight recorder's ``caller``, timed as the timeline span ``span``."""
         t0 = time.perf_counter()
-        host, dtype = self.host, pieces[0].dtype
+        host, tc = self.host, self.host.torus_comm
         wire = host.wire_of(dtype)
-        count = sum(p.size for p in pieces)
+        recorder.caller.value = caller
+        try:
+            if wire is None and not windowed:
+                out = views(tc.allreduce(buf, np.empty_like(buf), op=op, algorithm=host.algorithm), shapes)
+            else:
+                tc.allreduce(IN_PLACE, buf, op=op, algorithm=host.algorithm)
+                out = host.windows.outputs(dtype, shapes)
+                unpack(buf, out, wire is not None)
+        finally:
+            recorder.caller.value = "user"
+        if host.timeline is not None:
+            algorithm = host.algorithm if host.algorithm != "auto" else tc.auto_choice("allreduce", buf.nbytes, True)
+            host.timeline.span(span, host.lane, t0, time.perf_counter(), bucket=bucket, nbytes=int(buf.nbytes),
+                               algorithm=algorithm, wire=str(buf.dtype), op=op)
+        return out
+
+    def run(self, op: str, arrays, groups, windowed) -> list:
+        """Every bucket of one call, both halves inline: ``arrays`` are the tensors' values in bucket order,
+        ``groups`` how many belong to each bucket, ``windowed`` whether each uses a window. Returns one array
+        per tensor, in the same order. Run on the communication thread (``HostAllreduce.__call__``)."""
+        arrays = [np.asarray(a) for a in arrays]
+        firsts = [int(k) for k in np.cumsum([0, *groups])[:-1]]
+        buckets = [arrays[k:k + n] for k, n in zip(firsts, groups)]
+        layout = (op, tuple((b[0].dtype.str, sum(a.size for a in b)) for b in buckets))  # keys the buffers
+        out: list = []
+        for k, pieces in enumerate(buckets):
+            buf = self.pack((layout, k), windowed[k], pieces)
+            out += self.reduce(k, buf, op, pieces[0].dtype, [p.shape for p in pieces], windowed[k],
+                               self.host.name, f"keras {self.host.name}")
+        return out
+
+    def start(self, layout: int, bucket: int, windowed: bool, pieces) -> np.int64:
+        """Pack ``pieces`` (numpy arrays, one dtype) into the bucket's buffer, queue its reduce; a token."""
+        t0 = time.perf_counter()
+        host = self.host
         if bucket == 0 and layout not in self._agreed:  # before any bucket of it moves or gets a shared buffer
             host.progress.call(self._agree, layout)
             self._agreed.add(layout)
         if bucket == 0:
             self.steps += 1  # for the flight recorder's caller: this process' gradient step, counted from 1
-        buf = self._buffer(layout, bucket, wire or dtype, count, windowed)
-        pack(pieces, buf, wire is not None)  # TensorFlow may reuse the inputs' memory once this op returns
+        buf = self.pack((layout, bucket), windowed, pieces)
         self._tokens += 1
         token = self._tokens
-        self._pending[token] = host.progress.submit(self._reduce, layout, bucket, buf, dtype, wire, windowed,
-                                                    self.steps)
+        self._pending[token] = host.progress.submit(
+            self._reduce_timed, bucket, buf, self._describe_of[layout][0], pieces[0].dtype,
+            [p.shape for p in pieces], windowed, f"keras step {self.steps} gradient bucket {bucket} (layout {layout})")
         if host.timeline is not None:
             host.timeline.span(f"bucket {bucket} start", "start", t0, time.perf_counter(), bucket=bucket,
                                nbytes=int(buf.nbytes))
         return np.int64(token)
 
-    def wait(self, token) -> np.ndarray:
-        """The reduced bucket of ``token`` (a fresh array in the tensors' dtype); re-raises the thread's error."""
+    def _reduce_timed(self, bucket, buf, op, dtype, shapes, windowed, caller) -> tuple[list, int]:
+        t0 = time.perf_counter()
+        out = self.reduce(bucket, buf, op, dtype, shapes, windowed, f"bucket {bucket} allreduce", caller)
+        self.comm_seconds += time.perf_counter() - t0
+        self.buckets_run += 1
+        return out, bucket
+
+    def wait(self, token) -> list:
+        """The reduced arrays of ``token``'s bucket (one per tensor); re-raises the thread's error."""
         t0 = time.perf_counter()
         future = self._pending.pop(int(token))
         try:
@@ -149,37 +237,8 @@ class Buckets:
             self.host.timeline.span(f"bucket {bucket} wait", "wait", t0, t1, bucket=bucket)
         return out
 
-    def _reduce(self, layout: int, bucket: int, buf: np.ndarray, dtype: np.dtype, wire, windowed: bool,
-                step: int):
-        """On the communication thread: all-reduce the bucket, cast back; returns (result, bucket)."""
-        t0 = time.perf_counter()
-        host, tc = self.host, self.host.torus_comm
-        op = self._layouts[layout][0]
-        recorder.caller.value = f"keras step {step} gradient bucket {bucket} (layout {layout})"
-        try:
-            if wire is None and not windowed:
-                out = tc.allreduce(buf, np.empty_like(buf), op=op, algorithm=host.algorithm)
-            else:
-                tc.allreduce(IN_PLACE, buf, op=op, algorithm=host.algorithm)
-        finally:
-            recorder.caller.value = "user"
-        if wire is not None or windowed:
-            out = np.empty(buf.size, dtype)
-            if wire is None:
-                np.copyto(out, buf)
-            else:
-                kernels.widen(buf, out)
-        t1 = time.perf_counter()
-        self.comm_seconds += t1 - t0
-        self.buckets_run += 1
-        if host.timeline is not None:
-            algorithm = host.algorithm if host.algorithm != "auto" else tc.auto_choice("allreduce", buf.nbytes, True)
-            host.timeline.span(f"bucket {bucket} allreduce", "comm", t0, t1, bucket=bucket, nbytes=int(buf.nbytes),
-                               algorithm=algorithm, wire=str(buf.dtype), op=op)
-        return out, bucket
-
     def _describe(self, layout: int) -> str:
-        op, groups = self._layouts[layout]
+        op, groups = self._describe_of[layout]
         sizes = ", ".join(f"{np.dtype(d).name}[{n}]" for d, n in groups)
         return f"{len(groups)} bucket{'s' if len(groups) != 1 else ''} ({sizes}), op {op}"
 
@@ -188,7 +247,7 @@ class Buckets:
         rank, timeout = tc.rank, tc._executor.timeout
         # a collective on the TorusComm's communicator: in the flight record, so that the doctor can name a
         # rank whose layout differs (its count) or that agrees while the others already reduce (its operation)
-        groups = self._layouts[layout][1]
+        groups = self._describe_of[layout][1]
         recorder.caller.value = f"keras step {self.steps + 1} gradient bucket layout {layout}"
         record = tc.recorder.begin("bucket layout agreement", sum(n for _, n in groups), np.dtype(groups[0][0]),
                                    "allgather") if tc.recorder.capacity and groups else None
@@ -215,33 +274,3 @@ class Buckets:
                 f"gradients differently from rank 0 (rank 0: {texts[0]}; rank {differ[0]}: {texts[differ[0]]}): "
                 "every rank must build the same model (same trainable variables, shapes and dtypes, in the same "
                 "order) and the same TorusStrategy(bucket_bytes=..., compression=...)")
-
-
-def allreduce_bucketed(host, dense: list, op: str) -> list:
-    """The graph side: starts and waits for ``dense`` (tensors of fully defined shapes); see the module
-    docstring. Returns tensors of the same shapes and dtypes, in the same order."""
-    nbytes = [t.shape.num_elements() * t.dtype.size for t in dense]
-    buckets = plan(nbytes, [t.dtype for t in dense], host.bucket_bytes, growth=host.bucket_growth)
-    buckets = [b for b in buckets if sum(nbytes[i] for i in b)]  # nothing to send for empty tensors
-    groups = [(dense[b[0]].dtype.as_numpy_dtype, sum(dense[i].shape.num_elements() for i in b)) for b in buckets]
-    layout = host.buckets.layout_id(op, groups)
-    result = [tf.zeros_like(t) for t in dense]  # empty tensors (the only ones left out) are their own result
-    tokens, previous = [], host.after_previous()
-    for k, b in enumerate(buckets):
-        windowed = host.in_window([dense[i] for i in b])
-        with tf.control_dependencies(previous):
-            token = tf.numpy_function(
-                lambda *pieces, k=k, w=windowed: host.buckets.start(layout, k, w, pieces),
-                [dense[i] for i in b], tf.int64, stateful=not host.replica_apart, name=f"torus_bucket{k}_start")
-        token.set_shape(())
-        tokens.append(token)
-        previous = [token]
-        host.record(token)
-    for k, b in enumerate(buckets):
-        fused = tf.numpy_function(lambda token, last: host.buckets.wait(token), [tokens[k], tokens[-1]],
-                                  dense[b[0]].dtype, stateful=True, name=f"torus_bucket{k}_wait")
-        fused.set_shape([groups[k][1]])
-        parts = tf.split(fused, [dense[i].shape.num_elements() for i in b], num=len(b))
-        for i, part in zip(b, parts):
-            result[i] = tf.reshape(part, dense[i].shape)
-    return result

@@ -1,4 +1,4 @@
-"""Gradients all-reduced at the start of ``optimizer.apply``, before anything looks at them.
+"""The one entry of gradients into the reducer: all-reduced at the start of ``optimizer.apply``.
 
 Keras 3's TensorFlow optimizer sums gradients across replicas late, inside ``_backend_update_step``: after
 ``LossScaleOptimizer`` checked them for inf/nan and after ``clipnorm`` / ``global_clipnorm`` / ``clipvalue``.
@@ -9,26 +9,48 @@ the sum non-finite (IEEE sums keep inf and nan), every rank sees the same bits a
 With ``gradient_accumulation_steps`` every micro-step's gradient is summed (the same total, more traffic).
 
 ``reduce_first(optimizer, strategy)`` replaces ``optimizer.apply`` on that instance (the outermost optimizer
-the model holds, e.g. the ``LossScaleOptimizer``); the inner all-reduce Keras still reaches passes the values
-through (``_TorusExtended.gradients_reduced``). The wrapper acts only inside ``strategy.run`` (the replica
-context of that strategy), exactly where Keras would all-reduce; a custom loop calling ``apply_gradients``
-outside it is untouched.
-
-``as_gradients`` wraps Keras' own gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``, what an
-optimizer without ``reduce_first`` reaches inside ``strategy.run``) so that the strategy knows the values are
-gradients (``_TorusExtended.reducing_gradients``): they go to the bucketed host, while the replica context's other
-all-reduces (SyncBN's moments, a user's ``ctx.all_reduce``) go to the replica host. Every optimizer that gets
-there (the one whose ``update_step`` runs next: a ``LossScaleOptimizer``'s inner one) gets
+the model holds, e.g. the ``LossScaleOptimizer``). It acts only inside ``strategy.run`` (the replica context of
+that strategy), exactly where Keras would all-reduce; a custom loop calling ``apply_gradients`` outside it is
+untouched. ``as_gradients`` wraps Keras' own gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``,
+which every TF optimizer reaches): under a ``TorusStrategy`` it sums the gradients with the same reducer
+(``reducer.reduce_gradients`` on ``strategy.host``: the buckets), unless ``reduce_first`` already did for this
+apply (``_reduced``, this module's own flag), and never through the replica context's ``all_reduce``, which
+stays for the other collectives (SyncBN's moments, a user's ``ctx.all_reduce``). Every optimizer that gets there
+(the one whose ``update_step`` runs next: a ``LossScaleOptimizer``'s inner one) gets
 ``sparse.deterministic_scatters`` first, so its sparse updates give the same bits on every rank.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import tensorflow as tf
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.collectives.sparse import deterministic_scatters, reduce_gradients
+from torus.integrations.keras.collectives.reducer import reduce_gradients
+from torus.integrations.keras.collectives.sparse import deterministic_scatters
+
+_reduced: contextvars.ContextVar = contextvars.ContextVar("torus_gradients_reduced", default=None)
+
+
+@contextlib.contextmanager
+def _reduced_for(strategy):
+    """While open (at trace time), the gradients that reach Keras' all-reduce under ``strategy`` are summed."""
+    token = _reduced.set(strategy)
+    try:
+        yield
+    finally:
+        _reduced.reset(token)
+
+
+def _sum_present(strategy, grads: list) -> list:
+    """``grads`` summed over ranks where not None (the Nones stay in place)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    out = list(grads)
+    for i, g in zip(present, reduce_gradients(strategy.host, [grads[i] for i in present], "sum")):
+        out[i] = g
+    return out
 
 
 def reduce_first(optimizer, strategy) -> bool:
@@ -42,14 +64,10 @@ def reduce_first(optimizer, strategy) -> bool:
     @functools.wraps(original)
     def apply(grads, trainable_variables=None):
         context = tf.distribute.get_replica_context()
-        extended = strategy.extended
-        if context is None or context.strategy is not strategy or extended._passing:
+        if context is None or context.strategy is not strategy or _reduced.get() is strategy:
             return original(grads, trainable_variables)
-        grads = list(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        for i, g in zip(present, reduce_gradients(strategy.host, [grads[i] for i in present], "sum")):
-            grads[i] = g
-        with extended.gradients_reduced():
+        grads = _sum_present(strategy, list(grads))
+        with _reduced_for(strategy):
             return original(grads, trainable_variables)
 
     apply._torus_strategy = strategy  # type: ignore[attr-defined]
@@ -58,13 +76,14 @@ def reduce_first(optimizer, strategy) -> bool:
 
 
 def as_gradients(fn):
-    """``TFOptimizer._all_reduce_sum_gradients`` whose all-reduce, under a ``TorusStrategy``, is the gradients'."""
+    """``TFOptimizer._all_reduce_sum_gradients`` that, under a ``TorusStrategy``, sums through the reducer."""
 
     @functools.wraps(fn)
     def all_reduce_sum_gradients(self, grads_and_vars):
+        from torus.integrations.keras.strategy import TorusStrategy  # imported by now: it installs this patch
+
         strategy = tf.distribute.get_strategy()
-        reducing = getattr(strategy.extended, "reducing_gradients", None)
-        if reducing is None:  # not a TorusStrategy
+        if not isinstance(strategy, TorusStrategy):
             return fn(self, grads_and_vars)
         if tf.distribute.get_replica_context() is None:  # Keras would fail on with "'NoneType' ... merge_call"
             raise RuntimeError(
@@ -75,8 +94,12 @@ def as_gradients(fn):
                 "(docs/keras.md, 'Custom loops'); or build the optimizer under the scope "
                 "(optimizer.build(model.trainable_variables)), leave the scope, and all-reduce yourself with "
                 "strategy.allreduce_gradients(grads) before apply")
+        grads_and_vars = list(grads_and_vars)
+        compat.filter_empty_gradients(grads_and_vars)  # Keras' warning for Nones, its error for no gradient
+        if _reduced.get() is strategy:
+            return grads_and_vars
         deterministic_scatters(self)  # before its update_step traces the scatters
-        with reducing():
-            return fn(self, grads_and_vars)
+        grads = _sum_present(strategy, [g for g, _ in grads_and_vars])
+        return [(g, v) for g, (_, v) in zip(grads, grads_and_vars)]
 
     return all_reduce_sum_gradients

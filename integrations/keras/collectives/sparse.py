@@ -33,24 +33,6 @@ import numpy as np
 import tensorflow as tf
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.collectives.loop import allreduce_tensors
-
-
-def reduce_gradients(host, grads: list, op: str = "sum", sparse_as_dense: bool | None = None) -> list:
-    """``grads`` (tensors and ``tf.IndexedSlices``; no None) over ranks, in the same order: the dense ones through
-    ``allreduce_tensors``, the IndexedSlices through ``allgather_slices`` (or densified with the dense ones where
-    ``sparse_as_dense``, by default ``host.sparse_as_dense``). The dense all-reduce is issued first (its buckets
-    may be in flight)."""
-    if sparse_as_dense is None:
-        sparse_as_dense = host.sparse_as_dense
-    sparse = [] if sparse_as_dense else [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
-    dense = sorted(set(range(len(grads))) - set(sparse))
-    out = list(grads)
-    for i, g in zip(dense, allreduce_tensors(host, [grads[i] for i in dense], op)):
-        out[i] = g
-    for i, g in zip(sparse, allgather_slices(host, [grads[i] for i in sparse], op)):
-        out[i] = g
-    return out
 
 
 def allgather_slices(host, slices: list, op: str = "sum") -> list:

@@ -35,7 +35,8 @@ import functools
 import tensorflow as tf
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.collectives.loop import allreduce_tensors
+from torus.integrations.keras.collectives.reducer import allreduce_tensors
+from torus.integrations.keras.fit import fit_hook
 
 
 def _state_variables(model) -> list:
@@ -105,22 +106,14 @@ def _global_step(model, strategy, name: str) -> None:
     compat.set_on_instance(model, name, step)  # past Keras' attribute tracking: a method, not state
 
 
-def _torus_strategy_of(model):
-    from torus.integrations.keras.strategy import TorusStrategy
-
-    strategy = compat.model_strategy(model)
-    return strategy if isinstance(strategy, TorusStrategy) else None
-
-
 def share_weighted(call):
     """``CompileLoss.call`` with its per-output loss trackers weighted by this rank's share of the batch."""
-    from torus.integrations.keras.strategy import TorusStrategy
 
     @functools.wraps(call)
     def wrapped(self, y_true, y_pred, sample_weight=None):
-        strategy = tf.distribute.get_strategy()
+        strategy = fit_hook.strategy_in_scope()  # a CompileLoss knows no model
         trackers = [t for t in self.metrics if t is not None]
-        if not isinstance(strategy, TorusStrategy) or not trackers or tf.distribute.in_cross_replica_context():
+        if strategy is None or not trackers or tf.distribute.in_cross_replica_context():
             return call(self, y_true, y_pred, sample_weight)
         rows = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0], tf.float32)
         share = rows / allreduce_tensors(strategy.metrics_host, [rows], "sum")[0]
@@ -148,7 +141,7 @@ def global_step_maker(make, step_name: str):
 
     @functools.wraps(make)
     def wrapped(self, *args, **kwargs):
-        strategy = _torus_strategy_of(self)
+        strategy = fit_hook.strategy_of(self)
         if strategy is not None:
             _global_step(self, strategy, step_name)
         return make(self, *args, **kwargs)
@@ -162,7 +155,7 @@ def global_metrics_result(current):
 
     @functools.wraps(current)
     def get_metrics_result(self):
-        strategy = _torus_strategy_of(self)
+        strategy = fit_hook.strategy_of(self)
         if strategy is None:
             return current(self)
         return global_results(current, self, strategy)

@@ -2,7 +2,7 @@
 
 Each tensor call is one ``tf.numpy_function`` (``stateful``, so inside a ``tf.function`` they run in program
 order on every rank), usable eagerly or in a graph; not XLA-compilable. Every call is collective: all ranks
-make the same calls in the same order. All-reduce goes through ``torus.integrations.keras.collectives.loop``
+make the same calls in the same order. All-reduce goes through ``torus.integrations.keras.collectives.reducer``
 (``HostAllreduce`` / ``allreduce_tensors``, the torus schedules); all-gather and broadcast move bytes with the
 communicator's own ``MPI_Allgatherv`` / ``MPI_Bcast`` after an all-gather of every rank's shape and dtype, so a
 mismatch raises ``ValueError`` on every rank instead of hanging or truncating.
@@ -21,13 +21,10 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from torus.integrations.keras.collectives.loop import (
-    HostAllreduce,
-    allreduce_tensors,
-    check_same_variables,
-    wait_for_every_rank,
-)
+from torus.integrations.keras.collectives.host import HostAllreduce
 from torus.integrations.keras.collectives.loop import broadcast_variables as _bcast_vars
+from torus.integrations.keras.collectives.loop import check_same_variables, wait_for_every_rank
+from torus.integrations.keras.collectives.reducer import allreduce_tensors
 from torus.integrations.keras.horovod.basics import rank, size, torus_comm
 from torus.integrations.keras.horovod.compression import Compression, wire_format
 from torus.ops import OPS, check_op_dtype
@@ -53,7 +50,7 @@ def host_allreduce(compression=Compression.none, algorithm: str = "auto", what: 
 
 
 def fused_allreduce(host: HostAllreduce, tensors, op: str):
-    """``loop.allreduce_tensors``: eagerly its ``tf.numpy_function`` runs at once, in a graph it is traced."""
+    """``reducer.allreduce_tensors``: eagerly its ``tf.numpy_function`` runs at once, in a graph it is traced."""
     return allreduce_tensors(host, list(tensors), op)
 
 

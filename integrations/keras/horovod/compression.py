@@ -1,7 +1,7 @@
 """Horovod's ``Compression`` namespace mapped onto torus' wire formats.
 
 Horovod casts floating tensors to 16 bits before its all-reduce and sums in 16 bits. Here the class only names
-the wire format of ``torus.integrations.keras.collectives.loop.HostAllreduce``: float32 buffers travel as float16
+the wire format of ``torus.integrations.keras.collectives.host.HostAllreduce``: float32 buffers travel as float16
 (``fp16``) or bfloat16 (``bf16``, a torus extension), every reduction step accumulates in float32 and rounds
 once; other dtypes (float64, float16, integers) travel as they are. ``compress``/``decompress`` keep Horovod's
 interface (a cast and the context to undo it) for code that calls them directly; user-defined compressors

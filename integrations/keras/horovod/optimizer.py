@@ -13,7 +13,8 @@ import keras
 import tensorflow as tf
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.collectives.sparse import deterministic_scatters, reduce_gradients
+from torus.integrations.keras.collectives.reducer import reduce_gradients
+from torus.integrations.keras.collectives.sparse import deterministic_scatters
 from torus.integrations.keras.horovod.basics import rank
 from torus.integrations.keras.horovod.collectives import Average, Sum, host_allreduce
 from torus.integrations.keras.horovod.compression import Compression

@@ -10,8 +10,8 @@ Horovod's TF2 custom loop::
 
 ``tape.gradient`` returns what ``tf.GradientTape.gradient`` returns (same structure, shapes and dtypes), with
 every gradient reduced over all ranks by the same code as ``hvd.DistributedOptimizer``: the dense ones fused
-into one buffer per dtype and all-reduced in one ``tf.numpy_function`` (``collectives.loop.allreduce_tensors``),
-``tf.IndexedSlices`` all-gathered as IndexedSlices (``collectives.sparse.reduce_gradients``) unless
+into one buffer per dtype and all-reduced in one ``tf.numpy_function`` (``collectives.reducer.allreduce_tensors``),
+``tf.IndexedSlices`` all-gathered as IndexedSlices (``collectives.reducer.reduce_gradients``) unless
 ``sparse_as_dense``. Works eagerly and inside a ``tf.function`` (not under XLA: ``jit_compile=True`` cannot
 compile the ``tf.numpy_function``). None gradients stay None and take no part in the all-reduce. Each call of
 ``gradient`` is collective: every rank calls it with the same sources (same shapes and dtypes, same gradients
