@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """One training step of an ordinary ``model.fit`` script under ``TorusStrategy`` with default settings, timed on
-rank 0: the figure to compare two source trees side by side (``bench/harness/ab.py``).
+rank 0: the figure to compare two source trees side by side (bench/harness/ab.py; bench/overlap/README.md
+has the command).
 
     mpiexec -n 2 python bench/overlap/one_host_step.py --model resnet50 --steps 20
 

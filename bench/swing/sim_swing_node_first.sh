@@ -12,5 +12,5 @@ for ranks in 1088 2176 4096; do
     echo "\$ torus-sim --ranks $ranks --algo ring,torus2d,swing --nbytes 64K,4M,100M $cost"
     .venv/bin/torus-sim --ranks $ranks --algo ring,torus2d,swing --nbytes 64K,4M,100M $cost
     echo "\$ (swing with the axes in turn: $OLD_TREE) torus-sim --ranks $ranks --algo swing --nbytes 64K,4M,100M $cost"
-    OLD_TREE=$OLD_TREE .venv/bin/python bench/harness/tree.py torus-sim --ranks $ranks --algo swing --nbytes 64K,4M,100M $cost
+    .venv/bin/python bench/harness/tree.py "$OLD_TREE" torus-sim --ranks $ranks --algo swing --nbytes 64K,4M,100M $cost
 done
