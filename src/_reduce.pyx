@@ -48,7 +48,7 @@ cdef int BF16_TYPENUM = np.dtype(ml_dtypes.bfloat16).num
 # segment is a number of bytes. Counted in elements (65,536, this value for float32), every 16-bit segment of
 # the default 256 KiB across nodes forked a parallel region where a float32 one of the same bytes did not;
 # where the ranks' threads outnumber the cores, each such region may wait a scheduler slice for its second
-# thread while the link idles (bench/README.md, "16-bit all-reduce across hosts").
+# thread while the link idles (bench/wire/README.md).
 cdef Py_ssize_t MIN_BYTES_PER_THREAD = 256 << 10
 
 

@@ -4,7 +4,7 @@ interpreter (``torus.runtime.interpreter``, whose docstring describes them), dri
 
 Why: with more ranks than cores every rank's CPU time counts twice, and the Python driving each message
 (slicing, mpi4py's argument parsing, the wait loop) is a large share of a mid-size all-reduce there
-(bench/README.md has the figures).
+(bench/torus_bench/README.md has the figures).
 
 Written against mpi4py's Cython API (``mpi4py/libmpi.pxd``: the MPI types and calls, ``MPI.Comm.ob_mpi``: the
 handle behind a communicator), so it compiles against any MPI's ``mpi.h`` (setup.py says which it finds);

@@ -2,7 +2,7 @@
 
 The module turns the simulator on (``NUMBA_ENABLE_CUDASIM=1``) before numba.cuda is first imported, and
 skips if numba.cuda was already imported for real hardware in this process. With ``NUMBA_ENABLE_CUDASIM=0``
-in the environment the same tests run on a real GPU (as bench/gpu_run.sh does on a device machine). Buffers are
+in the environment the same tests run on a real GPU (as bench/gpu/gpu_run.sh does on a device machine). Buffers are
 ``numba.cuda.to_device`` arrays, so ``torus.kernels`` dispatches them to the device kernels (the Cython
 kernels would reject them). The simulator runs each GPU thread as a Python thread (about 1.4 s per 10,000
 elements), so sizes stay tiny: 0, 1, 33 (partial warp) and 257 (two blocks of 256). 160 cases, about 12 s

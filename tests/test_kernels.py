@@ -75,7 +75,7 @@ def test_thread_split_counts_bytes(dtype):
     """A reduction forks as many OpenMP threads for a 16-bit array as for a float32 one of the same bytes
     (256 KiB per thread): counted in elements, the default 256 KiB segment across nodes went parallel for
     float16/bfloat16 only, and across emulated hosts such per-segment parallel regions made the 16-bit
-    all-reduce slower than float32's (bench/README.md). The test lengths above do take the parallel path."""
+    all-reduce slower than float32's (bench/wire/README.md). The test lengths above do take the parallel path."""
     per = (256 << 10) // dtype.itemsize
     for n, nthreads, want in [(0, 2, 1), (1, 2, 1), (per, 2, 1), (2 * per - 1, 2, 1), (2 * per, 2, 2),
                               (2 * per, 1, 1), (8 * per, 4, 4), (5 * per, 8, 5), (LENGTHS[-1], 2, 2)]:

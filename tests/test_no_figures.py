@@ -1,5 +1,6 @@
 """No measured figure in the comments and docstrings of torus/, src/ and integrations/: measurements live in
-bench/results/ and the READMEs and docs/, which the code cites (NCCL's header holds contracts, never timings).
+bench/'s experiment folders (their results/ and READMEs) and docs/, which the code cites (NCCL's header holds
+contracts, never timings).
 
 The rule. A measured figure is what a run reported about speed:
 - a rate: a number with a unit per second (``2.4 Gbit/s``, ``0.37 GB/s``, ``13 GiB/s``);
@@ -73,8 +74,8 @@ def _files():
 
 def test_no_measured_figures_in_code():
     found = [hit for p in _files() for hit in figures(p)]
-    assert not found, ("measured figures in comments or docstrings (move them to bench/results/ or docs/ and "
-                       "cite the file):\n" + "\n".join(found))
+    assert not found, ("measured figures in comments or docstrings (move them to an experiment's folder "
+                       "under bench/ or to docs/ and cite the file):\n" + "\n".join(found))
 
 
 def test_the_rule(tmp_path):

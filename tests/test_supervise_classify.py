@@ -279,7 +279,8 @@ def test_abort_on_exception_gives_a_stall_timeout_its_own_status(monkeypatch, ca
 
 def test_a_launcher_stuck_after_a_peer_lost_abort_is_ended(monkeypatch, tmp_path):
     """hydra waiting on a cut host's proxy after the survivors aborted with status 75 (seen in 2 of 10 link-cut
-    trials, bench/results/fault_injection.txt): torus-run ends it and the launch counts as a lost peer."""
+    trials, bench/fault_injection/results/fault_injection.txt): torus-run ends it and the launch counts as a lost
+    peer."""
     monkeypatch.setattr(launch, "LAUNCHER_GRACE_S", 0.5)
     stuck = [sys.executable, "-c", "import sys, time; sys.stderr.write('[rank 1] calling MPI_Abort(75)\\n'); "
              "sys.stderr.flush(); time.sleep(60)"]

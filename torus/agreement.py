@@ -6,7 +6,7 @@ all-gathered too, to name them).
 
 Cost: one 10 x int64 ``MPI_Iallgather`` per call, waited for with the stall timeout (so a rank that never calls
 turns into ``TimeoutError`` before the first data message); about one small-collective latency
-(bench/README.md has the measured figures). ``check=False`` / ``TORUS_CHECK=0`` skips it.
+(bench/torus_bench/README.md has the measured figures). ``check=False`` / ``TORUS_CHECK=0`` skips it.
 
 A rank whose own arguments fail their local check raises its ValueError/TypeError at once and posts its share
 of the all-gather marked "argument error" (``reports_errors``), so the others raise MismatchError naming it;

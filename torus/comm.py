@@ -28,7 +28,7 @@ from torus.runtime.shm import SharedMemory, StepMismatch
 from torus.select import Nodes, choose
 from torus.shapes import Shapes
 
-# GPU buffers from this size (bytes) are reduced on the GPU by default (see gpu_reduce, bench/README.md).
+# GPU buffers from this size (bytes) are reduced on the GPU by default (see gpu_reduce, bench/gpu/README.md).
 GPU_REDUCE_MIN_BYTES = 16 << 20
 
 

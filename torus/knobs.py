@@ -57,7 +57,7 @@ KNOBS: dict[str, Knob] = {
     # faults (torus/faults.py)
     "TORUS_ABORT_TIMEOUT": Knob(10.0, "float", "seconds a failing rank waits for MPI_Abort before ending itself"),
     "TORUS_RECORDER": Knob(0, "int", "calls each communicator's flight recorder keeps per rank, e.g. 64 (0: "
-                           "off, the default, for its cost: bench/README.md; torus/recorder.py)"),
+                           "off, the default, for its cost: bench/flight_recorder/README.md; torus/recorder.py)"),
     "TORUS_TRACE_DIR": Knob("", "str", "folder of the flight records (torus-trace-rank<R>.json; unset: the "
                             "working directory)"),
     "TORUS_ABORT_ON_STALL": Knob(True, "flag", "a stall timeout left uncaught ends the whole job (MPI_Abort, "

@@ -17,10 +17,10 @@ from torus.topology import Topology, node_dims, node_indices
 
 SEGMENT_BYTES = 1 << 20
 # Across nodes: on emulated hosts 1 MiB and 512 KiB segments moved at a fraction of the link's rate and
-# 256 KiB ones at its rate (bench/README.md, "Across hosts"; put down to UCX's rendezvous over TCP then). Those
+# 256 KiB ones at its rate (bench/across_hosts/README.md; put down to UCX's rendezvous over TCP then). Those
 # runs gave each rank every core of the shared machine; with the cores split among its ranks (TorusComm's
-# threads="auto" now), 512 KiB segments ran at the link's rate too (bench/README.md, "16-bit all-reduce
-# across hosts"), so the slowdown was likely the kernels' parallel regions. 256 KiB is kept: not re-measured.
+# threads="auto" now), 512 KiB segments ran at the link's rate too (bench/wire/README.md), so the slowdown
+# was likely the kernels' parallel regions. 256 KiB is kept: not re-measured.
 CROSS_NODE_SEGMENT_BYTES = 256 << 10
 
 

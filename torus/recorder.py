@@ -1,7 +1,7 @@
 """The flight recorder (issue 43): with ``TORUS_RECORDER=K`` every rank keeps its last K collective calls of
 each ``TorusComm`` in memory, and writes them to a file when something goes wrong, so that ``torus.doctor``
 can name the rank that fell behind and the call where the ranks parted. Off by default: its cost at 64 KiB is
-over the bound issue 43 sets (bench/README.md, "Flight recorder").
+over the bound issue 43 sets (bench/flight_recorder/README.md).
 
 A record (one call): the call's sequence number on its communicator (1, 2, ...: the same call has the same
 number on every rank while the ranks agree), the operation, count (elements) and dtype, the algorithm and
@@ -75,7 +75,7 @@ class Recorder:
 
     def begin(self, op: str, count: int, dtype, algorithm: str) -> list:
         """A new call (``dtype``: a numpy dtype, named at the dump); the caller checks ``capacity`` first. The
-        record is a list, and ``end`` / ``fail`` complete it (the cost: bench/README.md, "Flight recorder")."""
+        record is a list, and ``end`` / ``fail`` complete it (the cost: bench/flight_recorder/README.md)."""
         seq = self.seq = self.seq + 1
         record = [seq, op, count, dtype, algorithm, caller.value, time.time(), None, "running", None]
         self._ring[seq % self.capacity] = record

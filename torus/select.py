@@ -5,9 +5,10 @@ doubling); our schedules once bandwidth dominates, out of place sooner than in p
 directly while MPI first copies it into recvbuf); the 2D torus above 2 ranks (at scale it takes
 2(X-1)+2(Y-1) steps against the ring's 2(N-1)), except where the ring measured faster. The crossovers are
 the ones measured with ``torus-bench allreduce`` (float32, 4 B .. 256 MiB, the C step loop) on 2 cores with
-MPICH over shared memory: bench/results/allreduce_float32_p{2,4}.txt, tabulated in bench/README.md. Rows for
-more than 4 ranks were not measured with the C step loop and keep the Python loop's crossover. Rerun the sweep
-on your cluster and set ``TORUS_ALGO`` (or pass ``algorithm=``) to override the table.
+MPICH over shared memory: bench/torus_bench/results/allreduce_float32_p{2,4}.txt, tabulated in
+bench/shared_memory/README.md ("Summary against native all-reduces"). Rows for more than 4 ranks were not measured with
+the C step loop and keep the Python loop's crossover. Rerun the sweep on your cluster and set ``TORUS_ALGO`` (or pass
+``algorithm=``) to override the table.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ TABLE = (
     (4, 32 * 1024, None, "native"),
     (4, 512 * 1024, "in_place", "native"),
     # 4 ranks: the 2x2 torus leads to 1 MiB, the ring from 4 to 128 MiB, the torus again above
-    # (bench/results/allreduce_float32_p4.txt); above 4 ranks the torus' fewer steps are what the table is for.
+    # (bench/torus_bench/results/allreduce_float32_p4.txt); above 4 ranks the torus' fewer steps are what the
+    # table is for.
     (4, 1 << 20, None, "torus2d"),
     (4, 128 << 20, None, "ring"),
     (None, 512 * 1024, None, "native"),
@@ -40,9 +42,10 @@ TABLE = (
 
 # Where every rank is on one node, these rows come first (same columns): the shared-memory transport
 # (torus/runtime/shm.py) against the rows below and the best native all-reduces, measured with
-# bench/native_peers.py on 2 cores: shm led at every size measured at 2 to 8 ranks (bench/results/native_peers.txt,
-# bench/results/shm_p8.txt; docs/performance.md, "What auto picks"). More than 8 ranks, and ranks with a core
-# each beyond 2, were not measured. Never across nodes.
+# bench/shared_memory/native_peers.py on 2 cores: shm led at every size measured at 2 to 8 ranks
+# (bench/shared_memory/results/native_peers.txt, bench/shared_memory/results/shm_p8.txt; docs/performance.md,
+# "What auto picks"). More than 8 ranks, and ranks with a core each beyond 2, were not measured. Never across
+# nodes.
 ONE_NODE_TABLE = (
     (8, None, None, "shm"),
 )
@@ -91,17 +94,19 @@ class Nodes:
 
 # Across nodes MPI's own all-reduce while the buffer crosses one link in less than this (seconds at the link's
 # measured speed), i.e. while latency, not the link, is what the call waits for: where the 2D torus started
-# to win on the emulated cluster (bench/results/cluster_sweep.txt; docs/performance.md, "What auto picks").
+# to win on the emulated cluster (bench/across_hosts/results/cluster_sweep.txt; docs/performance.md, "What auto
+# picks").
 NATIVE_LINK_SECONDS = 0.25e-3
 # One rank per node: every message crosses a link and the ring and the torus send the same bytes; the ring
 # was as fast or faster at 2 and 4 nodes once the buffer takes TORUS2D_LINK_SECONDS on the link; below that
-# the torus' fewer steps (2(X-1)+2(Y-1) against 2(N-1)) won at 4 nodes (bench/results/cluster_small_sizes.txt),
-# and are assumed to win at any size above RING_MAX_NODES nodes.
+# the torus' fewer steps (2(X-1)+2(Y-1) against 2(N-1)) won at 4 nodes
+# (bench/across_hosts/results/cluster_small_sizes.txt), and are assumed to win at any size above RING_MAX_NODES
+# nodes.
 RING_MAX_NODES = 4
 TORUS2D_LINK_SECONDS = 1e-3
 # One rank per node, all-reduce: Swing's latency-optimal form (log2 p steps of the whole buffer) beat native from
 # SWING_MIN_BYTES up to SWING_LINK_SECONDS on the link at 2 and 4 emulated hosts, and lost below and above it
-# (bench/results/swing_auto_*.json; bench/README.md, "Swing"); the bound scales with the link as
+# (bench/swing/results/swing_auto_*.json; bench/swing/README.md, "In `auto`"); the bound scales with the link as
 # NATIVE_LINK_SECONDS does.
 SWING_MIN_BYTES = 16
 SWING_LINK_SECONDS = 33e-6
@@ -116,8 +121,8 @@ def across_nodes(collective: str, nbytes: int, dims, nodes: Nodes) -> str:
     ``2(C-1)/C`` of it, against the ring's ``2(N-1)/N``); with one rank per node, where every message crosses and
     the ring and the torus send the same bytes, the torus for its fewer steps while the buffer crosses a link in
     under ``TORUS2D_LINK_SECONDS`` or above ``RING_MAX_NODES`` nodes, else (or when the grid is a line) the ring.
-    Where the table above was measured on one node, this rule's constants come from the emulated cluster
-    (tests/cluster, bench/cluster_sweep.py; how close the pick came: bench/results/cluster_sweep.txt,
+    Where the table above was measured on one node, this rule's constants come from the emulated cluster (tests/cluster,
+    bench/across_hosts/cluster_sweep.py; how close the pick came: bench/across_hosts/results/cluster_sweep.txt,
     docs/performance.md). The ring here visits the ranks node by node (Topology.ring_order), so what it sends
     through a node's link does not depend on how the ranks were placed."""
     link_bytes_per_s = nodes.link_gbits * 1e9 / 8

@@ -4,7 +4,8 @@
 #   bench/across_hosts/cluster_sim_validate.sh [HOSTS=4] [OUT=/tmp/cluster_sim] [RATES="1gbit 4gbit"]
 # CFGS="1 blocks,2 blocks" picks configurations (comma-separated; default all three), MPIARGS adds mpiexec
 # arguments (e.g. MPIARGS="-genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp"), TAG a suffix to the files.
-# Results: bench/across_hosts/results/cluster_sim_validate_*.txt (bench/README.md, "torus-sim replays what runs across hosts").
+# Results: bench/across_hosts/results/cluster_sim_validate_*.txt (bench/across_hosts/README.md, "torus-sim replays
+# what runs across hosts").
 set -u
 cd "$(dirname "$0")/../.."
 HOSTS=${1:-4}; OUT=${2:-/tmp/cluster_sim}; RATES=${3:-"1gbit 4gbit"}

@@ -3,7 +3,7 @@
 #   run(command="bash bench/gpu/gpu_run.sh", carry=[".whl"], timeout_s=480)   (STEPS=34: only steps 3 and 4)
 # The machine has no package index. Its image (2026-11) has numba-cuda 0.30.4 with numpy 2.5, which cannot
 # compile kernels (numba-cuda uses np.row_stack, gone in numpy 2.5), so .whl carries numpy 2.4.6 for its
-# Python 3.12 (the `pip download` line is in bench/README.md); its mpi4py is built on its Open MPI, which is
+# Python 3.12 (the `pip download` line is in bench/gpu/README.md); its mpi4py is built on its Open MPI, which is
 # used as is. Builds torus._ext in place with the machine's compiler, then:
 #   1. bench/gpu/gpu_check.py          the CUDA kernels bit for bit against numpy and the host kernels, and their
 #                                  throughput against CuPy

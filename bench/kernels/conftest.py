@@ -1,7 +1,7 @@
-"""pytest set-up for the benchmark suites in bench/ (pytest-benchmark).
+"""pytest set-up for the benchmark suite in bench/kernels/ (pytest-benchmark).
 
-Run them explicitly, e.g. ``python -m pytest bench/ --benchmark-columns=median,ops``; pyproject's
-``testpaths = ["tests"]`` and tests/run.py (which names tests/ only) never collect them.
+Run it explicitly, e.g. ``python -m pytest bench/kernels/ --benchmark-columns=median,ops``; pyproject's
+``testpaths = ["tests"]`` and tests/run.py (which names tests/ only) never collect it.
 
 A benchmark that sets ``benchmark.extra_info["bytes"]`` (memory traffic of one call) also gets a line in a
 throughput table printed at the end: GB/s = bytes / median seconds, per group, with the ratio to the

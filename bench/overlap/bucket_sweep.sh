@@ -1,8 +1,8 @@
 #!/bin/bash
-# The bucket cap (bench/README.md, "The bucket cap"): bench/overlap/overlap.py on 2 emulated hosts, every cap of
+# The bucket cap (bench/overlap/README.md, "The bucket cap"): bench/overlap/overlap.py on 2 emulated hosts, every cap of
 # $CAPS_RESNET50 / $CAPS_MLP alternated with overlap off, compute alone and the all-reduce alone in each round (one
 # process: the train function traced once per cap); MODELS and ROUNDS narrow it; GROWTHS (e.g. "2,inf") also
-# alternates the buckets' ramp (bench/README.md, "The bucket ramp"). Appends one JSON line per model to $1
+# alternates the buckets' ramp (bench/overlap/README.md, "The bucket ramp"). Appends one JSON line per model to $1
 # (default bench/overlap/results/bucket_sweep.jsonl). As root (namespaces).
 #   bench/overlap/bucket_sweep.sh bench/overlap/results/bucket_sweep.jsonl [rate] [ranks per host]
 #   CAPS_RESNET50=25M GROWTHS=2,4,inf MODELS=resnet50 ROUNDS=5 bench/overlap/bucket_sweep.sh OUT 1gbit 1

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The overlap table (bench/README.md, "Overlap"): bench/overlap/overlap.py on emulated hosts, 2 x 1 and 2 x 2 ranks,
+# The overlap table (bench/overlap/README.md, "Overlap"): bench/overlap/overlap.py on emulated hosts, 2 x 1 and 2 x 2 ranks,
 # at 1 Gbit/s, 4 Gbit/s and unshaped links; ResNet-50, the VGG-like CNN, the MLP, and ResNet-50 with fp16
 # compression at 1 Gbit/s. Each configuration alternates overlap on / off / compute alone / all-reduce alone
 # per round.

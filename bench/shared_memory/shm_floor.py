@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What one core of each rank can move on this host, both ranks at once: the floor under an in-place
-all-reduce over shared memory (bench/README.md, "Shared memory: where the time goes").
+all-reduce over shared memory (bench/shared_memory/README.md, "where the time goes").
 
 Usage (from the repository root; about 20 s)::
 
@@ -18,7 +18,7 @@ median of 7 of the slowest rank), in 128 KiB pieces as the transport's steps do:
 
 Prints GiB/s per rank. A rank's own buffer of an in-place all-reduce is read and written once, and half of
 it travels to the peer and back (2 ranks): compare the all-reduce's time with ``MIB / add-rate`` plus
-``MIB / cross-core rate`` (bench/README.md).
+``MIB / cross-core rate`` (bench/shared_memory/README.md).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ PREFIX = "10.231"
 # rate, so the bucket is kept to about a millisecond of data (at least one 64 KiB GSO packet, which tbf
 # would otherwise split): with 10 ms of data, 256 KiB all-reduces between shuffled benchmark calls ran
 # from a full bucket, above the link's rate, CPU-bound on this machine rather than link-bound
-# (bench/README.md, "Across hosts").
+# (bench/across_hosts/README.md, "The one cell auto missed").
 BURST_SECONDS = float(os.environ.get("TORUS_CLUSTER_BURST_S", "1e-3"))
 BURST_MIN_BYTES = 64 << 10
 BRIDGE_HOST = 254

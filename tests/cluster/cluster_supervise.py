@@ -8,9 +8,9 @@ supervise_worker.py (all-reduces in a loop; TORUS_TIMEOUT=3, TORUS_ABORT_TIMEOUT
   correctly and end: exit status 0, host 3 named in the restart line and in the summary.
 - ranks killed: host 3's rank gets SIGKILL. Host 3 still answers the probe, so it keeps its slot: the relaunch
   has 3 ranks on the 3 hosts again.
-- torus-train (bench/fault_train_job.py) with snapshots in each host's own folder: host 3's rank killed at
-  step 35, the relaunch resumes from step 31 and ends bitwise equal to the uninterrupted run (2 more runs of
-  about 30-40 s each).
+- torus-train (bench/fault_injection/fault_train_job.py) with snapshots in each host's own folder: host 3's rank
+  killed at step 35, the relaunch resumes from step 31 and ends bitwise equal to the uninterrupted run (2 more
+  runs of about 30-40 s each).
 
 Afterwards no process of either launch is left in any namespace: the cut host's rank ends itself
 (torus.faults' abort after its own stall timeout) and its proxy then exits. A rank stuck outside torus on a cut
@@ -141,14 +141,15 @@ def test_a_host_whose_rank_was_killed_but_answers_keeps_its_slot(cluster, superv
 
 TRAIN_JOB = Path(__file__).resolve().parents[2] / "bench" / "fault_injection" / "fault_train_job.py"
 RANK_WRAPPER = TRAIN_JOB.with_name("fault_rank.sh")
-TRAIN_EPOCHS, TRAIN_STEPS = 3, 23  # bench/fault_train_job.py: 23 global batches of 60 an epoch
+TRAIN_EPOCHS, TRAIN_STEPS = 3, 23  # bench/fault_injection/fault_train_job.py: 23 global batches of 60 an epoch
 KILL_AT = 35  # in epoch 2, after the snapshot of step 31 (every 10 steps from step 1)
 
 
 def _train(cluster, tmp_path, name: str, kill: bool) -> tuple[int, str, Path]:
-    """torus-train (tiny-nobn, bench/fault_train_job.py) under torus-run on the 3 hosts, snapshots every 10
-    steps in each host's own folder (bench/fault_rank.sh); with ``kill``, host 3's rank gets SIGKILL once step
-    KILL_AT is logged. Returns (torus-run's status, its output, the final weights file)."""
+    """torus-train (tiny-nobn, bench/fault_injection/fault_train_job.py) under torus-run on the 3 hosts,
+    snapshots every 10 steps in each host's own folder (bench/fault_injection/fault_rank.sh); with ``kill``, host
+    3's rank gets SIGKILL once step KILL_AT is logged. Returns (torus-run's status, its output, the final weights
+    file)."""
     folder = tmp_path / name
     (folder / "pids").mkdir(parents=True)
     hostfile = folder / "hosts"

@@ -7,7 +7,7 @@ Without a GPU this runs under numba's CUDA simulator (turned on here, before num
 this process): device arrays are then host memory behind numba's device-array interface, so the staging
 logic (which regions are copied to the host mirror before a send, which receives are copied to the device)
 and the kernel dispatch are what is tested. With ``NUMBA_ENABLE_CUDASIM=0`` set and a GPU present the same
-tests run on the GPU (bench/gpu_run.sh). The simulator runs one Python thread per GPU thread, so counts stay
+tests run on the GPU (bench/gpu/gpu_run.sh). The simulator runs one Python thread per GPU thread, so counts stay
 small (37 elements, segments of 16 bytes so every chunk is several messages).
 """
 from __future__ import annotations

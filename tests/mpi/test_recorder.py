@@ -15,7 +15,7 @@ if MPI.COMM_WORLD.Get_size() not in (2, 3, 4):
 
 @pytest.fixture(autouse=True)
 def recorder_on(monkeypatch):
-    monkeypatch.setenv("TORUS_RECORDER", "64")  # off by default (its cost: bench/README.md)
+    monkeypatch.setenv("TORUS_RECORDER", "64")  # off by default (its cost: bench/flight_recorder/README.md)
 
 
 def test_the_recorder_is_off_by_default(monkeypatch):

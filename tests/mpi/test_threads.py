@@ -31,7 +31,7 @@ def _restore_threads(monkeypatch):
 def test_auto_threads_divide_the_machine_cpus(ranks_per_node):
     """One thread per CPU of the machine, split over all its ranks, whatever the node layout: with
     ``ranks_per_node=1`` every rank is a node of its own, and each used to take every CPU (SIZE x
-    oversubscribed; across emulated hosts such per-rank threads slowed the 16-bit all-reduce, bench/README.md)."""
+    oversubscribed; across emulated hosts such per-rank threads slowed the 16-bit all-reduce, bench/wire/README.md)."""
     kernels.set_num_threads(64)
     tc = torus.TorusComm(ranks_per_node=ranks_per_node)
     assert kernels.get_num_threads() == max(1, (os.cpu_count() or 1) // SIZE), tc

@@ -192,8 +192,8 @@ def time_iterations(comm: MPI.Comm, calls: list, iters: int, warmup: int) -> np.
     rank: a fixed seed), rather than one call's iterations back to back: a disturbance on a shared machine
     (another tenant, a daemon) then lands on every algorithm of the comparison alike instead of on whichever
     was running, and no call always follows the same other call (in a fixed order, ``auto``, always right
-    after MPI's own all-reduce, came out slower than the very schedule it had picked; bench/README.md has the
-    figures, and those of two back-to-back runs of one schedule)."""
+    after MPI's own all-reduce, came out slower than the very schedule it had picked; bench/torus_bench/README.md
+    has the figures, and those of two back-to-back runs of one schedule)."""
     for call in calls:
         for _ in range(warmup):
             call()

@@ -10,7 +10,7 @@ pointers), or ``_step_loop.matches()`` finds other ``MPI_BYTE`` / ``MPI_COMM_WOR
 ``WHY_NOT`` then says which. In those cases, and with ``TORUS_C_LOOP=0``, the Python step interpreter
 (torus.runtime.interpreter) runs: same messages, same results to the bit (tests/mpi/test_python_loop.py). Why
 a C loop at all: with more ranks than cores the Python driving each message costs a large share of a mid-size
-all-reduce (bench/README.md compares the two loops).
+all-reduce (bench/torus_bench/README.md compares the two loops).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ CUDA-aware) cannot read or write device pointers:
   staged; adjacent ones go in one copy), then send from the mirror;
 - a receive that reduces lands in pinned host scratch; once the step's receives are in, the scratch goes to
   the device in one copy and each message is reduced into the buffer by one kernel launch (not one per
-  segment: a launch costs more than the transfer of a segment; bench/README.md, "On a GPU");
+  segment: a launch costs more than the transfer of a segment; bench/gpu/README.md);
 - a receive that overwrites (the all-gather phase) lands in the mirror and is copied to the device.
 
 Correctness follows the host policy's: the mirror is written only where the host would write the buffer (a

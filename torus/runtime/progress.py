@@ -19,7 +19,7 @@ may: root or CAP_SYS_NICE; otherwise it keeps its priority) and its long MPI wai
 (default 200) microseconds between tests (``poll_pause``, read by the C step loop) instead of spinning: beside
 TensorFlow's compute threads on every core, a spinning waiter either holds a core compute needs (at high
 priority) or gets the CPU too late to keep the link busy (at equal priority); sleeping at high priority wakes
-as data arrives and leaves the cores to compute in between (bench/README.md, "Overlap").
+as data arrives and leaves the cores to compute in between (bench/overlap/README.md, "Overlap").
 
 MPI must allow calls from a second thread (``MPI.Query_thread() >= MPI.THREAD_SERIALIZED``; ``threads_ok``);
 callers fall back to blocking calls where it does not.

@@ -46,7 +46,7 @@ _WINDOW_ALLREDUCE = 16
 # Data bytes per rank and step unless TorusComm's segment_bytes is given. Every rank its own core: small, so
 # a step's window data stays in a core's L2 cache between the copy in, the peers' reduction and the copy out.
 # More ranks than cores: each step waits for every rank to be scheduled, so fewer, larger steps
-# (bench/README.md, "Shared memory"; docs/performance.md, "Where the constants come from").
+# (bench/shared_memory/README.md; docs/performance.md, "Where the constants come from").
 SEGMENT_BYTES = 256 << 10
 OVERSUBSCRIBED_SEGMENT_BYTES = 1 << 20
 # Polls of a flag before a wait sleeps, when every rank of the node has a core of its own (fewer polls made

@@ -18,7 +18,7 @@ from torus.topology import Topology
 SWING_LATENCY_BYTES = 8 << 10  # without a link figure (one node, emulated nodes): the limit measured first
 # Across nodes the crossover of the two forms moved with the link's speed on the emulated hosts, so it is given
 # as time on the link, set between the last size the latency form won and the first it lost at each speed
-# measured (bench/results/swing_latency_*.json; bench/README.md, "Swing").
+# measured (bench/swing/results/swing_latency_*.json; bench/swing/README.md, "The latency-optimal form").
 SWING_LATENCY_LINK_SECONDS = 96e-6
 
 

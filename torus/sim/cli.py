@@ -4,7 +4,7 @@
               --ranks-per-node 4 --inter-alpha 5e-6 --inter-beta 4e-10
     torus-sim --sweep -b 1K -e 1G -f 4 --ranks 64,1088,2176 --json sim.json --plot sim.png
     torus-sim --paper
-    torus-sim --step bench/results/overlap_timeline_2x1_1gbit.json --ranks 2 --params fit.json   # a training step
+    torus-sim --step bench/overlap/results/overlap_timeline_2x1_1gbit.json --ranks 2 --params fit.json   # a step
     torus-sim --step profile.json --paper --compute-step 0.1 --algo torus2d --alpha 1e-6 ...    # at the paper's grids
     torus-sim --algo shm,ring --ranks 4 --ranks-per-node 4 --nbytes 64M --copy-beta 1e-10 --flag-alpha 5e-7
     torus-sim --algo shm --alloc --ranks 4 --ranks-per-node 4 --nbytes 64M --window-beta 2e-10 --flag-alpha 5e-7

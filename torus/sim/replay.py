@@ -247,7 +247,7 @@ def _sharing(layout: Layout, node, src, crossing):
     """Per receiver: the factor on its message's β, 1 within a node; between nodes the ranks crossing a link
     at this step share it (sim/network.py: on a star, the busier of the sender's node link out and the
     receiver's in). On the emulated cluster two ranks of a host sending across at once each moved at half the
-    rate (bench/README.md, "Across hosts")."""
+    rate (bench/across_hosts/README.md)."""
     out = np.ones(node.size)
     if crossing.any():
         dst = np.flatnonzero(crossing)

@@ -6,8 +6,8 @@ so the seconds bound what a lost host takes from the job: a minute of every rank
 takes from training is the host copy of the state at a step boundary, on one rank per node; the write runs
 on a background thread at low priority (:mod:`torus.snapshot.background`), and a slow disk makes snapshots
 older, never queued. With one copy a minute, the copy would have to last over a second before steps took
-1.02 times as long (the bound issue 42 sets). bench/results/snapshot_write.txt has the copy's and the
-write's times for a ResNet-50's weights and slots; copying into buffers allocated once (no page faults of
+1.02 times as long (the bound issue 42 sets). bench/snapshots/results/snapshot_write.txt has the copy's and
+the write's times for a ResNet-50's weights and slots; copying into buffers allocated once (no page faults of
 fresh memory) keeps the copy short. The step bound takes over for short steps: a small model, whose copy is
 small too, then redoes at most 500 steps.
 

@@ -19,7 +19,7 @@ The checksum is ``zlib.crc32``, not a cryptographic hash such as ``hashlib.blake
 accidental damage (a torn write, a flipped bit, a short transfer), where CRC-32 detects every burst of up to
 32 bits and misses other damage with probability 2**-32; against deliberate tampering no unkeyed checksum
 helps, since whoever edits the file recomputes it. zlib's CRC-32 runs several times faster than blake2b
-(bench/results/snapshot_write.txt), and both release the GIL, so the background writer and the verification
+(bench/snapshots/results/snapshot_write.txt), and both release the GIL, so the background writer and the verification
 at resume take less CPU from training.
 
 Writing is atomic: a temporary file in the same folder (``.<name>.<host>.<pid>.tmp``), fsync, ``os.replace``,
