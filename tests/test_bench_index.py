@@ -31,9 +31,6 @@ SECTION = re.compile(r"""(?<![\w./~-])((?:bench/)?(?:[\w-]+/)?README\.md)\)?\s*[
 # what comes before a file that a command writes: an output option, a redirection, a default output path
 OUTPUT = re.compile(r"""(?:--(?:out|json|jsonl|txt|csv|plot)[ =]|>>?\s*|\btee (?:-a )?|Path\(["']|default=["']?)$""")
 RELATIVE = re.compile(r"(?<![\w./~-])(?:results|\.\./[\w-]+)/[\w.*{},/$-]*[\w*}]")
-# citations in files that another change owns right now (issue 44's gradient path rewrites them); that change
-# points them at the new folder and removes its row here
-PENDING = {("integrations/keras/collectives/buckets.py", "bench/overlap.py")}
 # files whose stale paths are deliberate: the checks' own examples
 EXAMPLES = {Path(__file__).resolve(), ROOT / "tests" / "test_doc_names.py"}
 
@@ -114,7 +111,7 @@ def _cited():
 
 def test_cited_bench_paths_exist():
     bad = sorted({f"{where}: {p}" for where, p, output in _cited()
-                  if (where, p) not in PENDING and not _exists(p, output=output)})
+                  if not _exists(p, output=output)})
     assert not bad, "bench/ paths that do not exist (moved? see bench/README.md):\n" + "\n".join(bad)
 
 

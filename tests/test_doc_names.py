@@ -102,13 +102,10 @@ def test_dotted_names_exist():
     assert not bad, "names that do not exist:\n" + "\n".join(bad)
 
 
-# a citation in a file that another change owns right now (as in tests/test_bench_index.py's PENDING)
-PENDING = {("integrations/keras/collectives/buckets.py", "bench/overlap.py")}
-
 
 def test_paths_exist():
     bad = [f"{where}: {path}" for path, where in sorted(PATHS.items())
-           if not _exists(path) and (where.split(":")[0], path) not in PENDING]
+           if not _exists(path)]
     assert not bad, "paths that do not exist:\n" + "\n".join(bad)
 
 

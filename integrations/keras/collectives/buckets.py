@@ -34,8 +34,8 @@ from torus.errors import MismatchError
 from torus.errors import TimeoutError as TorusTimeout
 
 FIRST_BUCKET_BYTES = 1 << 20
-BUCKET_BYTES = 25 << 20  # the default cap (TORUS_BUCKET_BYTES); bench/overlap.py measures it
-BUCKET_GROWTH = 2.0  # each bucket's cap over the one before (inf: DDP's rule); bench/overlap.py --bucket-growth
+BUCKET_BYTES = 25 << 20  # the default cap (TORUS_BUCKET_BYTES); bench/overlap/overlap.py measures it
+BUCKET_GROWTH = 2.0  # each bucket's cap over the one before (inf: DDP's rule); bench/overlap/overlap.py --bucket-growth
 MAX_STAGING = 64  # bucket buffers kept per host (a model's buckets; layouts seen before, least recent freed)
 
 
