@@ -49,7 +49,7 @@ PIPELINE = (
     ("callbacks", "fit.quiet", "quiet_other_ranks"),
     ("callbacks", "fit.initial_state", "add_initial_state"),
     ("callbacks", "fit.snapshots", "add_snapshots"),
-    ("callbacks", "collectives.trace", "add_step_timeline"),
+    ("callbacks", "fit.step_timeline", "add_step_timeline"),
     ("result", "fit.inputs", "gather_predictions"),
     ("result", "fit.files", "files_in_place"),
     ("result", "fit.saving", "count_end"),
