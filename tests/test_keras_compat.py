@@ -4,6 +4,7 @@ the accessors read the real attributes of the installed Keras."""
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,52 @@ def test_import_warns_on_an_untested_keras():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "1"
+
+
+def _unlisted(sites) -> list[str]:
+    """The rows of ``sites`` whose attribute ``compat.REQUIRED`` does not list (an optional row may name a public
+    attribute of a public object instead: skipped where a tested Keras lacks it)."""
+    def key(owner):
+        return owner if isinstance(owner, str) else id(owner)
+
+    required = {(key(owner), name) for owner, names in compat.REQUIRED for name in names}
+    out = []
+    for site in sites:
+        public = not isinstance(site.owner, str) and not site.name.startswith("_")
+        if (key(site.owner), site.name) not in required and not (site.optional and public):
+            out.append(f"{site.owner}.{site.name}")
+    return out
+
+
+def test_patch_table_rows_are_required_names():
+    assert _unlisted(compat.PATCH_SITES) == []
+    # the check can fail: a row whose attribute REQUIRED does not list, or a private one marked optional
+    extra = compat.Site("trainer.TensorFlowTrainer", "train_on_batch", "fit.fit_hook", "wrap", ("fit",))
+    hidden = compat.Site(keras.Model, "_private", "fit.saving", "coordinated", ("x",), optional=True)
+    assert _unlisted(compat.PATCH_SITES + (extra, hidden)) == [
+        "trainer.TensorFlowTrainer.train_on_batch", f"{keras.Model}._private"]
+
+
+def test_patch_table_rows_name_their_wrappers():
+    from torus.integrations.keras.fit import fit_hook
+
+    sites = [(site.owner, site.name) for site in compat.PATCH_SITES]
+    assert len(set(sites)) == len(sites), "one row per attribute"
+    for site in compat.PATCH_SITES:
+        assert callable(compat.wrapper_of(site)), site
+    wrapped = [s.name for s in compat.PATCH_SITES if (s.module, s.wrapper) == ("fit.fit_hook", "wrap")]
+    assert wrapped == list(fit_hook.METHODS) and [s.args for s in compat.PATCH_SITES if s.name in wrapped] == [
+        (m,) for m in fit_hook.METHODS]
+
+
+def test_install_wraps_every_row_once():
+    compat.install()
+    compat.install()  # idempotent
+    for site in compat.PATCH_SITES:
+        owner = compat._resolve(site.owner)
+        if site.optional and not hasattr(owner, site.name):
+            continue
+        current = getattr(owner, site.name)
+        assert compat.is_patched(current) and not compat.is_patched(compat.original(current)), site
+        for alias in site.aliases:  # where the module re-exports it (keras.models has no save_weights)
+            assert getattr(importlib.import_module(alias), site.name, current) is current, (alias, site)

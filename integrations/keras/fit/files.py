@@ -24,7 +24,6 @@ from torus.integrations.keras import compat
 from torus.integrations.keras.collectives.loop import wait_for_every_rank
 from torus.integrations.keras.compat import file_utils
 from torus.integrations.keras.fit import saving
-from torus.integrations.keras.fit.inputs import torus_strategy_of
 
 _MARK = "_torus_rank_aware"
 
@@ -40,7 +39,8 @@ class _ChiefCheckpoint:
         model.save = saving.atomic(type(model).save.__get__(model)) if chief else _skip
         model.save_weights = saving.atomic(type(model).save_weights.__get__(model)) if chief else _skip
         try:
-            with saving.local():  # on rank 0 alone: no notice to the others (they write nothing, wait for nothing)
+            # on rank 0 alone: no notice to the others (they write nothing, wait for nothing)
+            with saving.local(self._torus_strategy):
                 super()._save_model(epoch, batch, logs)
         finally:
             del model.save, model.save_weights
@@ -79,7 +79,7 @@ class _SharedBackup:
             for src, dst in ((weights, prev_weights), (metadata_path, prev_metadata)):
                 if file_utils.exists(src):
                     saving.atomic(lambda tmp, src=src: file_utils.copy(src, tmp))(dst)
-        with saving.local():
+        with saving.local(self._torus_strategy):
             saving.atomic(lambda tmp: self.model.save_weights(tmp, overwrite=True))(weights)
 
         def metadata(tmp):
@@ -134,15 +134,11 @@ def make_rank_aware(callback, strategy) -> None:
 
 
 def rank_aware_callbacks(call) -> None:
-    """fit_hook stage "callbacks": the file callbacks in the user's list become rank-aware (models of no
-    TorusStrategy are left alone)."""
-    strategy = torus_strategy_of(call.arguments["self"])
-    if strategy is None:
-        return
+    """fit_hook stage "callbacks": the file callbacks in the user's list become rank-aware."""
     callbacks = call.arguments["callbacks"]
     members = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else callbacks or []
     for callback in members:
-        make_rank_aware(callback, strategy)
+        make_rank_aware(callback, call.strategy)
 
 
 def files_in_place(call, result):
@@ -151,7 +147,6 @@ def files_in_place(call, result):
     a ``keras.models.load_model`` of a checkpoint right after ``fit`` finds it on every rank. Unconditional
     (one barrier per ``fit``, nothing at one rank), since ranks may pass their file callbacks differently
     (Horovod's ``if rank == 0: callbacks.append(ModelCheckpoint(...))``)."""
-    strategy = torus_strategy_of(call.arguments["self"])
-    if call.method == "fit" and strategy is not None:
-        wait_for_every_rank(strategy.torus_comm, "TorusStrategy fit (its end, waiting for rank 0's files)")
+    if call.method == "fit":
+        wait_for_every_rank(call.strategy.torus_comm, "TorusStrategy fit (its end, waiting for rank 0's files)")
     return result

@@ -20,11 +20,11 @@ a "result" function takes ``(call, result)`` and returns the result. ``arguments
 to its value (``"self"`` is the model), plus any extra keyword the call passed (``evaluate``'s private
 ``_use_cached_eval_dataset=True`` when ``fit`` validates). ``scratch`` is a dict that lives for this one
 call: what one stage leaves for a later one (predict's row recorder) goes there, never in module state.
-``strategy`` is the model's own ``TorusStrategy`` when it was created under one, else the one created last.
-A process without a ``TorusStrategy`` (or a model of another strategy, when no TorusStrategy exists) runs
-Keras unchanged, and so do every call inside ``with fit_hook.local():`` and a model whose optimizer
-all-reduces by itself (Horovod's ``DistributedOptimizer``, outside any strategy scope). The methods are
-wrapped by ``compat.install`` (every patch site of Keras is listed there).
+``strategy`` is ``strategy_of(model, adopting=True)``: the model's own ``TorusStrategy``, else the one created
+last; every stage reads it there, and the patch wrappers look a model's strategy up with ``strategy_of`` alone.
+A process without a ``TorusStrategy`` runs Keras unchanged, and so do every call inside ``with
+fit_hook.local():`` and a model whose optimizer all-reduces by itself (Horovod's ``DistributedOptimizer``,
+outside any strategy scope). The methods are wrapped by ``compat.install`` (a row of ``compat.PATCH_SITES``).
 """
 from __future__ import annotations
 
@@ -56,14 +56,12 @@ PIPELINE = (
     ("result", "fit.snapshots", "restore_history"),
 )
 
-_active = {"strategy": None, "local": 0}
-
 
 @dataclasses.dataclass
 class Call:
     """One fit / evaluate / predict call as the stages see it (see the module docstring)."""
 
-    strategy: Any
+    strategy: Any  # a TorusStrategy
     method: str
     arguments: dict
     scratch: dict = dataclasses.field(default_factory=dict)
@@ -78,32 +76,45 @@ def stages() -> dict[str, list[Callable]]:
     return out
 
 
-def active_strategy():
-    """The ``TorusStrategy`` this process created last, or ``None``."""
-    return _active["strategy"]
-
-
 @contextlib.contextmanager
 def local():
     """Inside the block, fit/evaluate/predict run as plain Keras on this rank alone: no stage runs, so a model
     created outside any strategy scope is not moved under the TorusStrategy. For single-process references
     (tests) and a chief-only evaluation of a plain model. A model created under the strategy keeps
     all-reducing in its step functions, so every rank must still call it."""
-    _active["local"] += 1
+    from torus.integrations.keras.strategy import TorusStrategy
+
+    TorusStrategy.local_depth += 1
     try:
         yield
     finally:
-        _active["local"] -= 1
+        TorusStrategy.local_depth -= 1
 
 
-def strategy_for(model):
-    """The ``TorusStrategy`` a call on ``model`` runs under: the model's own, else the active one (or None)."""
+def strategy_of(model, *, adopting: bool = False):
+    """The ``TorusStrategy`` of ``model``: the one it was created (or moved) under, else None. With ``adopting``
+    (``fit`` / ``evaluate`` / ``predict`` and the saves, which move a model of no TorusStrategy under one, or
+    refuse a model of another strategy): else the one this process created last (None where it created none).
+    Every patch wrapper with a model at hand looks its strategy up here."""
     from torus.integrations.keras.compat import model_strategy
     from torus.integrations.keras.strategy import TorusStrategy
 
     own = model_strategy(model)
-    active = _active["strategy"]
-    return own if active is not None and isinstance(own, TorusStrategy) else active
+    if isinstance(own, TorusStrategy):
+        return own
+    return TorusStrategy.latest if adopting else None
+
+
+def strategy_in_scope():
+    """The ``TorusStrategy`` whose scope or replica context is open here, or None: for a patch wrapper with no
+    model at hand (``metrics.share_weighted``, inside the step that Keras runs under ``model.distribute_strategy``,
+    which is this one for a model of no strategy)."""
+    import tensorflow as tf
+
+    from torus.integrations.keras.strategy import TorusStrategy
+
+    strategy = tf.distribute.get_strategy()
+    return strategy if isinstance(strategy, TorusStrategy) else None
 
 
 def _self_distributed(model) -> bool:
@@ -128,8 +139,8 @@ def wrap(original: Callable, method: str) -> Callable:
 
     @functools.wraps(original)
     def wrapper(model, *args, **kwargs):
-        strategy = strategy_for(model)
-        if strategy is None or _active["local"] or _self_distributed(model):
+        strategy = strategy_of(model, adopting=True)
+        if strategy is None or strategy.local_depth or _self_distributed(model):
             return original(model, *args, **kwargs)
         bound = signature.bind(model, *args, **kwargs)
         bound.apply_defaults()
@@ -148,10 +159,12 @@ def wrap(original: Callable, method: str) -> Callable:
 
 
 def install(strategy) -> None:
-    """Make ``strategy`` the active one and wrap Keras' patch sites (once per process: ``compat.install``)."""
+    """Make ``strategy`` the one a model of no TorusStrategy runs under (``TorusStrategy.latest``) and wrap Keras'
+    patch sites (once per process: ``compat.install``)."""
     from torus.integrations.keras import compat
+    from torus.integrations.keras.strategy import TorusStrategy
 
-    _active["strategy"] = strategy
+    TorusStrategy.latest = strategy
     compat.install()
 
 

@@ -37,11 +37,10 @@ import tensorflow as tf
 
 from torus.integrations.keras import compat
 from torus.integrations.keras.compat import array_data_adapter, array_slicing, data_adapter_utils
-from torus.integrations.keras.fit import agree, dataset_agree
+from torus.integrations.keras.fit import agree, dataset_agree, fit_hook
 
 _MARK = "_torus_per_rank"
 _DEFAULT_BATCH = 32  # Keras' own default for arrays
-_state = {"next": "eval"}  # how the next dataset Keras hands the strategy is split (set by prepare_inputs)
 
 
 def per_rank(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -223,7 +222,7 @@ def build_without_peeking(original):
 
     @functools.wraps(original)
     def build(self, iterator=None, data_batch=None):
-        if iterator is not None and data_batch is None and torus_strategy_of(self) is not None:
+        if iterator is not None and data_batch is None and fit_hook.strategy_of(self) is not None:
             if type(self).call is keras.Model.call:
                 # No call() (the keras.io GAN: its own train_step over sub-models): nothing to build from a
                 # batch, which Keras' symbolic build fails on under any strategy; built in its first step, as
@@ -237,22 +236,12 @@ def build_without_peeking(original):
     return build
 
 
-def torus_strategy_of(model):
-    """The model's ``TorusStrategy`` (it was built under ``strategy.scope()``), or None."""
-    strategy = model.distribute_strategy
-    return strategy if hasattr(strategy, "torus_comm") else None
-
-
 def prepare_inputs(call) -> None:
-    """fit_hook stage "inputs": arrays split-checked and served in the agreed order, PyDatasets in it too.
-    Models of no TorusStrategy are left alone."""
-    method, arguments = call.method, call.arguments
-    strategy = torus_strategy_of(arguments["self"])
-    if strategy is None:
-        return
+    """fit_hook stage "inputs": arrays split-checked and served in the agreed order, PyDatasets in it too."""
+    strategy, method, arguments = call.strategy, call.method, call.arguments
     agree.agree_arrays(strategy, method, arguments)
     dataset_agree.agree_datasets(strategy, method, arguments)
-    _state["next"] = "train" if method == "fit" else "eval"
+    strategy.next_split = "train" if method == "fit" else "eval"
     if method == "predict" and strategy.size > 1 and arguments["self"].steps_per_execution > 1:
         raise ValueError(f"TorusStrategy predict on rank {strategy.rank}: steps_per_execution > 1 is not "
                          "supported (rows are gathered per batch); compile with steps_per_execution=1")
@@ -306,7 +295,7 @@ def split_batches(strategy, dataset: tf.data.Dataset) -> tf.data.Dataset:
     """This rank's share of ``dataset`` (called by ``TorusStrategy.experimental_distribute_dataset``):
     per-rank datasets with their step counts equalised in training, global ones sliced per batch (evenly or
     refused in training, as evenly as possible otherwise) and the slices marked per rank (:func:`per_rank`)."""
-    mode, _state["next"] = _state["next"], "eval"  # fit's first dataset trains; the next ones validate
+    mode, strategy.next_split = strategy.next_split, "eval"  # fit's first dataset trains; the next ones validate
     if strategy.size == 1:
         return dataset
     if is_per_rank(dataset, strategy.size):
@@ -384,9 +373,8 @@ class EpochClock(keras.callbacks.Callback):
 def gather_predictions(call, result):
     """fit_hook stage "result" for predict: every rank's rows, gathered, in input order (per-rank inputs: in
     rank order)."""
-    arguments = call.arguments
-    strategy = torus_strategy_of(arguments["self"])
-    if call.method != "predict" or strategy is None or strategy.size == 1:
+    strategy, arguments = call.strategy, call.arguments
+    if call.method != "predict" or strategy.size == 1:
         return result
     recorder = call.scratch["predict_rows"]
     gathered = strategy.torus_comm.comm.allgather((recorder.rows, result))
@@ -404,10 +392,7 @@ def gather_predictions(call, result):
 def input_callbacks(call) -> None:
     """fit_hook stage "callbacks": fit's epoch clock (for :class:`AgreedOrder`) and predict's row recorder,
     added to a copy of the user's list (a ``CallbackList`` gets them appended)."""
-    arguments = call.arguments
-    strategy = torus_strategy_of(arguments["self"])
-    if strategy is None:
-        return
+    strategy, arguments = call.strategy, call.arguments
     if call.method == "fit":
         extra = EpochClock(call.scratch["clock"])
     elif call.method == "predict" and strategy.size > 1:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import keras
 
-from torus.integrations.keras.fit.inputs import torus_strategy_of
-
 
 def is_builtin(callback) -> bool:
     """Whether ``callback``'s class is Keras' own, seen through the subclasses torus swaps in (files.py)."""
@@ -24,10 +22,9 @@ def is_builtin(callback) -> bool:
 
 def quiet_other_ranks(call) -> None:
     """fit_hook stage "callbacks": ``verbose=0`` for the call and for Keras' built-in callbacks on every rank
-    but the chief (models of no TorusStrategy are left alone)."""
+    but the chief."""
     arguments = call.arguments
-    strategy = torus_strategy_of(arguments["self"])
-    if strategy is None or strategy.is_chief:
+    if call.strategy.is_chief:
         return
     arguments["verbose"] = 0
     callbacks = arguments["callbacks"]

@@ -3,7 +3,7 @@ TorusStrategy: called on every rank, the file is written once, by rank 0, atomic
 (``if strategy.is_chief:``, Horovod's idiom), it is written there and nothing waits.
 
 ``compat.install()`` (called by ``TorusStrategy.__init__``, idempotent) wraps Keras' save entry points once per
-process with ``coordinated`` (the names are in ``PATCHED`` below). ``Model.save`` and ``Model.save_weights`` reach
+process with ``coordinated`` (its rows of ``compat.PATCH_SITES``). ``Model.save`` and ``Model.save_weights`` reach
 ``saving_api.save_model`` / ``save_weights`` through that module's attributes, so they are covered with the
 public functions; ``keras.saving.save_model`` and ``keras.models.save_model`` are the same function object,
 rebound in both modules (a ``from keras.saving import save_model`` made before the strategy existed keeps the
@@ -51,26 +51,22 @@ from torus.integrations.keras.collectives.loop import stall_timeout
 from torus.integrations.keras.compat import file_utils, io_utils
 from torus.integrations.keras.fit import alone, fit_hook
 
-# keras.src.saving.saving_api's save_model / save_weights are rebound (compat.install): Model.save / save_weights
-# call them by these module attributes; keras.saving / keras.models re-export them and are rebound too.
-ALIASES = ("keras.saving", "keras.models")
-PATCHED = {"save_model": "Model.save", "save_weights": "Model.save_weights"}  # saving_api name -> what users call
-
 NOTICE_BYTES = 4096  # one notice: small enough for MPI's eager protocol, so rank 0's sends complete at once
 _TAG = 7
-_plain = [0]  # > 0: saves run as plain Keras (inside a coordinated save, or local())
 
 
 @contextlib.contextmanager
-def local():
-    """Inside the block, saves run as plain Keras on this rank alone (``files.py``'s chief-only callbacks), and
-    so does what Keras does inside them: variables created, random draws (``alone.rank_alone``)."""
-    _plain[0] += 1
+def local(strategy):
+    """Inside the block, saves of ``strategy``'s models run as plain Keras on this rank alone (``files.py``'s
+    chief-only callbacks, and the saves Keras makes inside a coordinated one), and so does what Keras does inside
+    them: variables created, random draws (``alone.rank_alone``)."""
+    notices = strategy.save_notices
+    notices.plain += 1
     try:
         with alone.rank_alone():
             yield
     finally:
-        _plain[0] -= 1
+        notices.plain -= 1
 
 
 def atomic(write):
@@ -136,9 +132,7 @@ def count_end(call, result):
 
 
 def _boundary(call) -> None:
-    notices = getattr(call.strategy, "save_notices", None)
-    if notices is not None:
-        notices.window += 1
+    call.strategy.save_notices.window += 1
 
 
 class SaveNotices:
@@ -151,6 +145,7 @@ class SaveNotices:
         self._sent: list = []  # (buffer, request) of notices not yet known to be delivered
         self._held: dict | None = None  # a notice of a later window, read ahead
         self.window = 0  # fit / evaluate / predict starts and ends under this strategy so far
+        self.plain = 0  # > 0: saves run as plain Keras (inside a coordinated save, or local())
         atexit.register(self._drain)  # before mpi4py's MPI_Finalize (atexit runs the later hooks first)
 
     def save(self, what: str, write, model, filepath, args: tuple, kwargs: dict, in_place: bool, overwrite: bool):
@@ -251,9 +246,8 @@ def coordinated(original, what: str):
     def wrapper(model, filepath, *args, **kwargs):
         # The model's own TorusStrategy, else the process' (a model built outside the scope and not fit yet:
         # every rank would write the same file at once)
-        strategy = fit_hook.strategy_for(model) if hasattr(model, "distribute_strategy") else None
-        notices = getattr(strategy, "save_notices", None)
-        if notices is None or _plain[0] or not isinstance(filepath, (str, os.PathLike)):
+        strategy = fit_hook.strategy_of(model, adopting=True) if hasattr(model, "distribute_strategy") else None
+        if strategy is None or strategy.save_notices.plain or not isinstance(filepath, (str, os.PathLike)):
             return original(model, filepath, *args, **kwargs)
         try:
             bound = signature.bind(model, filepath, *args, **kwargs).arguments
@@ -265,8 +259,8 @@ def coordinated(original, what: str):
             return original(model, filepath, *args, **kwargs)
         in_place = (file_utils.is_remote_path(path) or path.startswith("hf://")
                     or bound.get("max_shard_size") is not None)
-        with local():
-            return notices.save(what, original, model, filepath, args, kwargs, in_place, overwrite)
+        with local(strategy):
+            return strategy.save_notices.save(what, original, model, filepath, args, kwargs, in_place, overwrite)
 
     return wrapper
 

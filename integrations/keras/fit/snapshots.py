@@ -43,7 +43,6 @@ from torus import knobs, snapshot
 from torus.integrations.keras import compat
 from torus.integrations.keras.collectives.loop import stall_timeout
 from torus.integrations.keras.fit import callback_state, inputs
-from torus.integrations.keras.fit.inputs import torus_strategy_of
 
 PROGRESS_EVERY_S = 0.2  # torus-run's steps redone trail the failure by at most this
 
@@ -288,8 +287,7 @@ class SnapshotCallback(keras.callbacks.Callback):
 def restore_history(call, result):
     """fit_hook stage "result" of ``fit``: the History of a fit that a resumed process passed over or resumed
     gets the epochs trained before the restart, in front of its own."""
-    strategy = torus_strategy_of(call.arguments["self"])
-    session = getattr(strategy, "snapshots", None)
+    session = call.strategy.snapshots
     if call.method != "fit" or session is None or not isinstance(result, keras.callbacks.History):
         return result
     before = session.restored.pop(session.fits - 1, None)
@@ -304,8 +302,7 @@ def add_snapshots(call) -> None:
     """fit_hook stage "callbacks" of ``fit``: the snapshot callback, after the initial-state broadcast."""
     from torus.integrations.keras.fit.fit_hook import add_callback
 
-    strategy = torus_strategy_of(call.arguments["self"])
-    session = getattr(strategy, "snapshots", None)
+    session = call.strategy.snapshots
     if call.method != "fit" or session is None or session.manual:
         return
     x = call.arguments["x"]
