@@ -22,7 +22,7 @@ from torus.integrations.keras import compat  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1] / "integrations" / "keras"
 PRIVATE_MODULES = ("keras.src", "tensorflow.python")
-OWN_PRIVATE = {"_executor", "_passing"}  # torus' own (TorusComm's executor, the strategy's pass-through count)
+OWN_PRIVATE = {"_executor"}  # torus' own (TorusComm's executor)
 
 
 def _sources():

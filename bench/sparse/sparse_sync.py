@@ -61,8 +61,9 @@ def main() -> None:
 
     from torus import faults
     from torus.integrations.keras import TorusStrategy
-    from torus.integrations.keras.collectives import gradients, sparse
+    from torus.integrations.keras.collectives import sparse
     from torus.integrations.keras.collectives.loop import stall_timeout
+    from torus.integrations.keras.fit import optimizer as gradients
 
     strategy = TorusStrategy()
     tc = strategy.torus_comm

@@ -378,7 +378,7 @@ PATCH_SITES: tuple[Site, ...] = (
     Site("trainer.TensorFlowTrainer", "_maybe_symbolic_build", "fit.inputs", "build_without_peeking"),
     Site("base_trainer.Trainer", "get_metrics_result", "fit.metrics", "global_metrics_result"),
     Site("compile_utils.CompileLoss", "call", "fit.metrics", "share_weighted"),
-    Site("tf_optimizer.TFOptimizer", "_all_reduce_sum_gradients", "collectives.gradients", "as_gradients"),
+    Site("tf_optimizer.TFOptimizer", "_all_reduce_sum_gradients", "fit.optimizer", "as_gradients"),
     Site("saving_api", "save_model", "fit.saving", "coordinated", ("Model.save",), _SAVING_ALIASES),
     Site("saving_api", "save_weights", "fit.saving", "coordinated", ("Model.save_weights",), _SAVING_ALIASES),
     Site(keras.Model, "export", "fit.saving", "coordinated", ("Model.export",), optional=True),

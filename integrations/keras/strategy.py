@@ -3,7 +3,7 @@
 Underneath it is TensorFlow's one-device strategy (variables and compute on this process' CPU or its one GPU) with
 overrides in its extended class: the replica count is the number of MPI ranks, and ``reduce_to`` /
 ``batch_reduce_to`` (the replica context's collectives) run the reducer (``collectives/reducer.py``). Gradients
-reach it on their own route (``collectives/gradients.py``): at the start of ``optimizer.apply`` inside ``fit``, else
+reach it on their own route (``fit/optimizer.py``): at the start of ``optimizer.apply`` inside ``fit``, else
 where Keras' optimizer sums them. Keras scales each rank's loss by ``1 / num_replicas_in_sync``, so the summed
 gradient is the mean over the global batch and one step equals one single-process step on the concatenated batch (up
 to summation order). ``experimental_distribute_dataset`` (Keras' route for every input) returns this rank's share

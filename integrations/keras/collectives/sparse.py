@@ -19,7 +19,7 @@ Bitwise-equal replicas. Keras applies a sparse update with a variable scatter (`
 ``assign_sub`` / ``assign`` of an IndexedSlices), and TensorFlow's CPU kernel splits a large scatter across its
 intra-op threads: the rows of a repeated index add up in thread order, so ranks differ in the last bits and
 drift apart (RMSprop, Adagrad, plain SGD; Adam and SGD with momentum densify first). ``deterministic_scatters``
-(installed by ``gradients.as_gradients`` under a TorusStrategy, and by the Horovod ``DistributedOptimizer``)
+(installed by ``fit.optimizer.as_gradients`` under a TorusStrategy, and by the Horovod ``DistributedOptimizer``)
 makes those methods first reduce the slices to one row per index (``unique_slices``: summed in row order, on
 the CPU): replicas bitwise equal after every step; against one process, per step and element at most about
 k/2 units in the last place for an id seen k times in the global batch. Why this way and what it costs (the

@@ -11,7 +11,7 @@ all-reduce and silently drift apart on each rank. ``adopt_model``:
 - a model of another ``tf.distribute`` strategy is refused (``ValueError`` naming the rank);
 - ``fit`` / ``evaluate`` with ``jit_compile=True`` are refused (XLA cannot compile the ``tf.numpy_function``
   that calls MPI), before any communication;
-- ``fit``: the optimizer all-reduces gradients first (``gradients.reduce_first``; a step function traced
+- ``fit``: the optimizer all-reduces gradients first (``fit/optimizer.py``, ``reduce_first``; a step function traced
   before is traced again); the chief warns once per model that has ``BatchNormalization(synchronized=False)``
   layers (they normalize over each rank's part of the batch and keep per-rank moving statistics, as Keras
   declares for them; ``synchronized=True`` all-reduces the batch statistics through the strategy and matches
@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 
 from torus.integrations.keras import compat
-from torus.integrations.keras.collectives import gradients
+from torus.integrations.keras.fit.optimizer import reduce_first
 
 
 def _optimizers(optimizer) -> list:
@@ -88,6 +88,6 @@ def adopt_model(call) -> None:
                          "that calls MPI; Keras' default 'auto' turns XLA on when a GPU is visible and the model "
                          "was compiled outside strategy.scope())")
     if method == "fit":
-        if gradients.reduce_first(model.optimizer, strategy):
+        if reduce_first(model.optimizer, strategy):
             model.train_function = None  # e.g. traced by train_on_batch before, with Keras' late all-reduce
         _warn_local_batch_norm(model, strategy)

@@ -1,4 +1,4 @@
-"""The one entry of gradients into the reducer: all-reduced at the start of ``optimizer.apply``.
+"""The optimizer patch, the one entry of gradients into the reducer: all-reduced at the start of ``optimizer.apply``.
 
 Keras 3's TensorFlow optimizer sums gradients across replicas late, inside ``_backend_update_step``: after
 ``LossScaleOptimizer`` checked them for inf/nan and after ``clipnorm`` / ``global_clipnorm`` / ``clipvalue``.
@@ -30,6 +30,7 @@ import tensorflow as tf
 from torus.integrations.keras import compat
 from torus.integrations.keras.collectives.reducer import reduce_gradients
 from torus.integrations.keras.collectives.sparse import deterministic_scatters
+from torus.integrations.keras.fit import fit_hook
 
 _reduced: contextvars.ContextVar = contextvars.ContextVar("torus_gradients_reduced", default=None)
 
@@ -80,10 +81,8 @@ def as_gradients(fn):
 
     @functools.wraps(fn)
     def all_reduce_sum_gradients(self, grads_and_vars):
-        from torus.integrations.keras.strategy import TorusStrategy  # imported by now: it installs this patch
-
-        strategy = tf.distribute.get_strategy()
-        if not isinstance(strategy, TorusStrategy):
+        strategy = fit_hook.strategy_in_scope()
+        if strategy is None:
             return fn(self, grads_and_vars)
         if tf.distribute.get_replica_context() is None:  # Keras would fail on with "'NoneType' ... merge_call"
             raise RuntimeError(
