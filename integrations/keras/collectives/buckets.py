@@ -113,7 +113,7 @@ class Buckets:
     """The buckets of one ``HostAllreduce`` (reducer.py): buffers, the routine, tokens, layout agreement, time.
     ``steps``: gradient steps so far (bucket 0 of an overlapped call starts one); ``comm_seconds`` /
     ``exposed_seconds`` / ``buckets_run``: the overlapped buckets' all-reduce time, the time ``wait`` blocked,
-    and how many ran (the inline calls count in ``HostAllreduce.seconds`` / ``calls``)."""
+    and how many ran; ``inline_seconds`` / ``inline_calls``: the same for ``run``'s calls (all of it exposed)."""
 
     def __init__(self, host):
         self.host = host
@@ -124,8 +124,8 @@ class Buckets:
         self._agreed: set = set()
         self._tokens = 0
         self.steps = 0
-        self.comm_seconds = self.exposed_seconds = 0.0
-        self.buckets_run = 0
+        self.comm_seconds = self.exposed_seconds = self.inline_seconds = 0.0
+        self.buckets_run = self.inline_calls = 0
 
     def layout_id(self, op: str, groups) -> int:
         """A small id for an overlapped call's layout, made at trace time: ``groups`` is [(numpy dtype, element
@@ -185,7 +185,8 @@ class Buckets:
     def run(self, op: str, arrays, groups, windowed) -> list:
         """Every bucket of one call, both halves inline: ``arrays`` are the tensors' values in bucket order,
         ``groups`` how many belong to each bucket, ``windowed`` whether each uses a window. Returns one array
-        per tensor, in the same order. Run on the communication thread (``HostAllreduce.__call__``)."""
+        per tensor, in the same order. Run after every job queued before it: ``progress.call(run, ...)``."""
+        t0 = time.perf_counter()
         arrays = [np.asarray(a) for a in arrays]
         firsts = [int(k) for k in np.cumsum([0, *groups])[:-1]]
         buckets = [arrays[k:k + n] for k, n in zip(firsts, groups)]
@@ -195,6 +196,8 @@ class Buckets:
             buf = self.pack((layout, k), windowed[k], pieces)
             out += self.reduce(k, buf, op, pieces[0].dtype, [p.shape for p in pieces], windowed[k],
                                self.host.name, f"keras {self.host.name}")
+        self.inline_seconds += time.perf_counter() - t0
+        self.inline_calls += 1
         return out
 
     def start(self, layout: int, bucket: int, windowed: bool, pieces) -> np.int64:

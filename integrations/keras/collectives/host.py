@@ -8,7 +8,6 @@ buckets.py runs the buckets; nothing after construction branches on where the kn
 """
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 
@@ -120,7 +119,6 @@ class HostAllreduce:
         self.torus_comm, self.algorithm, self.window = torus_comm, algorithm, window
         self.wire = check_compression(compression)
         self.windows = WindowBuffers(torus_comm)
-        self.seconds, self.calls = 0.0, 0
         self.overlap = resolve_overlap(torus_comm, overlap)
         self.bucket_bytes = resolve_bucket_bytes(torus_comm, bucket_bytes)
         self.bucket_growth = BUCKET_GROWTH  # buckets.plan's ramp, read when a step is traced
@@ -170,15 +168,19 @@ class HostAllreduce:
         return algo == "shm"
 
     def __call__(self, op: str, *arrays, groups=None, windowed=None) -> list:
-        """All-reduce ``arrays`` (numpy) in buckets, both halves of the routine inline (buckets.py) after
+        """All-reduce ``arrays`` (numpy) in buckets, both halves of the routine inline (``Buckets.run``) after
         every job queued before on the communication thread; one array per input, same shapes and dtypes.
         ``groups``: how many consecutive arrays form each bucket (default one each; a bucket's arrays share a
         dtype); ``windowed``: per bucket, whether it goes through a shared window (default none)."""
         groups = tuple(groups) if groups is not None else (1,) * len(arrays)
         windowed = tuple(windowed) if windowed is not None else (False,) * len(groups)
-        t0 = time.perf_counter()
-        try:
-            return self.progress.call(self.buckets.run, op, arrays, groups, windowed)
-        finally:
-            self.seconds += time.perf_counter() - t0
-            self.calls += 1
+        return self.progress.call(self.buckets.run, op, arrays, groups, windowed)
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds in inline calls so far (``Buckets.run``; benchmarks read it)."""
+        return self.buckets.inline_seconds
+
+    @property
+    def calls(self) -> int:
+        return self.buckets.inline_calls

@@ -83,8 +83,9 @@ def _inline(host: HostAllreduce, dense: list, buckets: list, op: str, graph: boo
     groups = tuple(len(b) for b in buckets)
     windowed = tuple(host.in_window([dense[i] for i in b]) for b in buckets)
     with tf.control_dependencies(host.after_previous() if graph else []):
-        reduced = tf.numpy_function(lambda *arrays: host(op, *arrays, groups=groups, windowed=windowed), inputs,
-                                    [t.dtype for t in inputs], stateful=True, name="torus_allreduce")
+        reduced = tf.numpy_function(
+            lambda *arrays: host.progress.call(host.buckets.run, op, arrays, groups, windowed), inputs,
+            [t.dtype for t in inputs], stateful=True, name="torus_allreduce")
     if not isinstance(reduced, (list, tuple)):  # eagerly, a one-element Tout comes back as a bare tensor
         reduced = [reduced]
     if graph:
