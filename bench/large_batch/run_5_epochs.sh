@@ -1,0 +1,19 @@
+#!/bin/bash
+# The large-batch study at 5 epochs, the cells that test the claim first (README.md, "Runs"). Resumable: a cell
+# already in the results is skipped. Run it from a copy of the tree (the study takes hours, and a checkout being
+# edited would change the code under it), e.g.
+#   mkdir /tmp/lb-tree && tar --exclude=.venv --exclude=.git -cf - . | tar -xf - -C /tmp/lb-tree
+#   ln -s $PWD/.venv /tmp/lb-tree/.venv && cd /tmp/lb-tree && PYTHONPATH=$PWD bench/large_batch/run_5_epochs.sh OUT
+# OUT: where the lines go (default bench/large_batch/results/study.jsonl of this tree).
+set -u
+cd "$(dirname "$0")/../.."
+out=${1:-bench/large_batch/results/study.jsonl}
+run() { nice -n 10 .venv/bin/python bench/large_batch/study.py --epochs 5 --out "$out" "$@"; }
+run --batches 128 --methods sgd --seeds 0
+run --batches 8192 --methods sgd,lars-bsc,lars --seeds 0
+run --batches 2048 --methods sgd,lars,lars-bsc --seeds 0
+run --batches 512 --methods sgd,lars,lars-bsc --seeds 0
+run --batches 128 --methods lars,lars-bsc --seeds 0
+run --batches 8192 --methods nesterov-sweep --seeds 0
+run --batches 8192 --methods sgd,lars,lars-bsc --seeds 1
+run --batches 128 --methods sgd --seeds 1
