@@ -95,9 +95,9 @@ def as_gradients(fn):
                 "strategy.allreduce_gradients(grads) before apply")
         grads_and_vars = list(grads_and_vars)
         compat.filter_empty_gradients(grads_and_vars)  # Keras' warning for Nones, its error for no gradient
+        deterministic_scatters(self)  # before its update_step traces the scatters, reduced here or already
         if _reduced.get() is strategy:
             return grads_and_vars
-        deterministic_scatters(self)  # before its update_step traces the scatters
         grads = _sum_present(strategy, [g for g, _ in grads_and_vars])
         return [(g, v) for g, (_, v) in zip(grads, grads_and_vars)]
 
