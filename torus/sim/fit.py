@@ -30,6 +30,7 @@ from torus.bench.sweep import format_size
 from torus.comm import TorusComm
 from torus.options import machine_ranks
 from torus.runtime.shm import SharedMemory
+from torus.sim import plans
 from torus.sim.model import Cost, Layout
 from torus.sim.simulate import simulate
 
@@ -239,14 +240,16 @@ def layout_of(tc) -> Layout:
     return Layout.placed(X, Y, tc.topology.node_of)
 
 
-def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=("ring", "torus2d", "hierarchical", "swing"),
-             iters: int = 20, alloc: bool = False) -> list[dict]:
-    """Measured all-reduce times on ``tc`` (a TorusComm) and, for each ``{name: Cost}``, the simulator's
+def validate(tc, costs: dict, sizes=VALIDATE_SIZES, algorithms=None, iters: int = 20,
+             alloc: bool = False) -> list[dict]:
+    """Measured all-reduce times on ``tc`` (a TorusComm) of ``algorithms`` (default torus-sim's default list,
+    ``plans.default()``: the registry's ``sim_default`` entries) and, for each ``{name: Cost}``, the simulator's
     prediction ``predicted_<name>`` on ``tc``'s nodes (``layout_of``), phased as ``tc`` runs its calls
     (``TorusComm.shm_phases``); ``alloc``: then shm once more on
     ``TorusComm.alloc`` buffers (rows with ``alloc`` true; every rank on one node). Collective."""
     X, Y = tc.dims
     layout = layout_of(tc)
+    algorithms = plans.default() if algorithms is None else algorithms
     rows = []
     for algo, window in [(a, False) for a in algorithms] + ([("shm", True)] if alloc else []):
         for n in sizes:
@@ -355,7 +358,7 @@ def main(args, cost: Cost) -> int:
         tc.Free()
         return 2
     sizes = VALIDATE_SIZES if args.nbytes_given is None else args.nbytes_given
-    algorithms = ("ring", "torus2d", "hierarchical", "swing") + (("shm",) if one_node else ())
+    algorithms = plans.default() + (("shm",) if one_node else ())
     rows = validate(tc, costs, sizes, algorithms=algorithms, alloc=args.alloc)
     if rank == 0:
         print(f"# {size} ranks, {tc.dims[0]}x{tc.dims[1]}, {layout_of(tc).nodes} node(s) in the model, {load}; "
