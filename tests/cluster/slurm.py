@@ -96,8 +96,10 @@ class SlurmCluster(Cluster):
     def job_env(self, **extra: str) -> dict:
         """The environment for ``srun``/``sbatch``/``salloc`` from here: :func:`tests.cluster.child_env` with
         SLURM_CONF, and TCP between hosts (UCX would find shared memory across the namespaces, as under
-        hydra); srun passes it on to every task (``--export=ALL``)."""
-        return self.env(child_env(UCX_TLS="tcp,self", **extra))
+        hydra), and ``MALLOC_PERTURB_=255`` (docs/clusters.md, "Slurm": with it malloc hands out zeroed bytes, and
+        MPICH's address lines stay within what Slurm's pmi2 plugin reads in one go); srun passes it on to every
+        task (``--export=ALL``)."""
+        return self.env(child_env(UCX_TLS="tcp,self", MALLOC_PERTURB_="255", **extra))
 
     def node(self, host: int) -> str:
         """Host ``host``'s Slurm node name (its namespace's name and its host name inside)."""

@@ -1,9 +1,10 @@
 """One Slurm job step for the Slurm suites, started again once where Slurm's ``pmi2`` plugin misread the PMI
 requests of MPICH's PMI-1 client: under load it sometimes parses a request that reached it in pieces as several
 (``slurmstepd: error: mpi/pmi2: invalid client request``, ``value not properly terminated``), and the step then
-hangs in ``MPI_Init`` (Slurm 22.05, the pip wheel's MPICH; docs/clusters.md, "Slurm"). That is the launcher's
-fault, not torus's: the step is ended once those lines are seen and started again, with a line saying so; a
-second misread is returned as it is (the test then fails).
+hangs in ``MPI_Init`` or fails there (exit code 15) (Slurm 22.05, the pip wheel's MPICH; docs/clusters.md,
+"Slurm"; tests/cluster/slurm.py's job environment makes it rare). That is the launcher's fault, not torus's: the
+step is ended once those lines are seen, or has ended unsuccessfully after them, and is started again, with a
+line saying so; a second misread is returned as it is (the test then fails).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def run(cmd: list[str], env: dict, cwd: Path, limit_s: float, attempts: int = 2)
         if not misread or attempt == attempts:
             return status, out, err
         print(f"slurm step: Slurm's pmi2 plugin misread a PMI request ({PMI_MISREAD.search(err).group(0)}) and "
-              f"the step hung in MPI_Init; starting it again (attempt {attempt + 1} of {attempts})", flush=True)
+              f"the step hung or failed in MPI_Init; starting it again (attempt {attempt + 1} of {attempts})",
+              flush=True)
         _drain(env)
     raise AssertionError("unreachable")
 
@@ -73,4 +75,5 @@ def _once(cmd: list[str], env: dict, cwd: Path, limit_s: float) -> tuple[int | N
             time.sleep(1.0)
         out_file.seek(0)
         err_file.seek(0)
-        return status, out_file.read(), err_file.read(), misread
+        out, err = out_file.read(), err_file.read()
+        return status, out, err, misread or (status != 0 and PMI_MISREAD.search(err) is not None)
