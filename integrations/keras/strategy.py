@@ -255,14 +255,20 @@ class TorusStrategy(tf.distribute.Strategy):
         ``loop.broadcast_variables``."""
         broadcast_variables(self.torus_comm, variables, root)
 
-    def resume(self, variables) -> dict | None:
+    def resume(self, variables, model=None) -> dict | None:
         """Custom loops, once before the first step: where the job has an id (``TORUS_JOB_ID``, set by
         torus-run), assign the newest snapshot any rank holds of this job and of these ``variables`` (the
         model's and the optimizer's, the same list ``snapshot`` gets: build the optimizer first) and return its
         meta dict, with ``"step"`` the global step it was taken after; None where there is none or snapshots
-        are off. Collective. The loop then continues at ``step`` (its data position is the loop's: put what it
-        needs in ``snapshot``'s meta)."""
-        return None if self.snapshots is None else self.snapshots.resume(list(variables))
+        are off. ``model`` (a Keras model, optional): its layers' configurations key the snapshots too, as
+        under ``fit``, so that a model changed without changing its variables (another activation) starts
+        fresh; without it the variables' shapes and dtypes alone key them. Collective. The loop then continues
+        at ``step`` (its data position is the loop's: put what it needs in ``snapshot``'s meta)."""
+        if self.snapshots is None:
+            return None
+        if model is not None:
+            self.snapshots.architecture = snapshots.architecture(model)
+        return self.snapshots.resume(list(variables))
 
     def snapshot(self, variables, step: int, **meta) -> None:
         """Custom loops, after every step: a snapshot of ``variables`` after global step ``step`` (int), with

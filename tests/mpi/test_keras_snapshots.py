@@ -191,12 +191,12 @@ def test_another_global_batch_is_refused(world, job):
         script(world, batch_size=2 * B)
 
 
-def loop(comm, stop_at=None, steps=30):
+def loop(comm, stop_at=None, steps=30, activation="tanh"):
     """A custom training loop (tf.distribute's contract) with strategy.resume / strategy.snapshot."""
     strategy = TorusStrategy(comm=torus.TorusComm(comm, timeout=60), snapshot_steps=4, snapshot_seconds=0)
     keras.utils.set_random_seed(5)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation=activation),
                                   keras.layers.Dense(2)])
         optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
         optimizer.build(model.trainable_variables)
@@ -214,7 +214,7 @@ def loop(comm, stop_at=None, steps=30):
             optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         strategy.run(replica, args=batch)
 
-    resumed = strategy.resume(state)
+    resumed = strategy.resume(state, model=model)
     start = 0 if resumed is None else resumed["step"]
     iterator = iter(dataset.skip(start))  # the loop's own data position: batch i is step i's
     for i in range(start, steps):
@@ -242,3 +242,17 @@ def test_a_custom_loop_resumes_on_fewer_ranks(world, job, monkeypatch):
             np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
         comm.Free()
     world.Barrier()
+
+
+def test_a_custom_loop_with_a_changed_model_starts_fresh(world, job, monkeypatch, capfd):
+    # strategy.resume(state, model=model): the layers' configurations key the snapshots, as under fit
+    monkeypatch.delenv("TORUS_JOB_ID")
+    reference, _ = loop(world, activation="relu")
+    monkeypatch.setenv("TORUS_JOB_ID", "changed")
+    with pytest.raises(Stop):
+        loop(world, stop_at=15)
+    monkeypatch.setenv("TORUS_RESTART", "1")
+    model, start = loop(world, activation="relu")
+    assert start == 0 and "torus-run: resumed at step" not in capfd.readouterr().err
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)

@@ -120,6 +120,10 @@ def test_resume_on_fewer_ranks_equals_the_run_that_lost_nothing(world, digits8, 
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
         history, ref_history = summary["history"], ref_summary["history"]
         assert [h["epoch"] for h in history] == [1, 2]
+        # the done line says which epochs this launch ran (the snapshot's epoch, 1-based, on)
+        assert ref_summary["resumed_epoch"] is None and summary["resumed_epoch"] == newest // STEPS + 1
+        assert f"in {summary['time_s']:.0f} s (this launch, from epoch {newest // STEPS + 1};" in \
+            trainer.summary_line(summary)
         for done in range(newest // STEPS):  # the epochs the snapshot had finished: their records from its meta
             assert history[done]["loss"] == pytest.approx(ref_history[done]["loss"], rel=1e-4)
         assert history[1]["val_top1"] == pytest.approx(ref_history[1]["val_top1"], abs=2 / 360)

@@ -35,7 +35,7 @@ def resume(trainer, start: Position) -> Position:
     strategy = trainer.strategy
     if strategy.snapshots is None:
         return start
-    meta = strategy.resume(state_variables(trainer.model))
+    meta = strategy.resume(state_variables(trainer.model), model=trainer.model)
     if meta is None or (meta["epoch"], meta["batch"]) < (start.epoch, 0):
         return start
     epoch, expected = meta["epoch"], trainer.schedule.global_batch(min(meta["epoch"], trainer.args.epochs - 1))

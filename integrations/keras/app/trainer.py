@@ -439,14 +439,17 @@ class Trainer:
             self.snapshot_taker.after_epoch(epoch, history)
         if self.strategy.timeline is not None and args.trainer == "loop":  # fit saves it itself
             self.strategy.timeline.save()
-        return self._summary(history, time.perf_counter() - t_start)
+        return self._summary(history, time.perf_counter() - t_start, start + 1 if start or position.step else None)
 
-    def _summary(self, history: list, seconds: float) -> dict:
+    def _summary(self, history: list, seconds: float, resumed_epoch: int | None = None) -> dict:
         args = self.args
         images = sum(r.get("timed_steps", 0) * r["global_batch"] for r in history)
         timed = sum(r.get("timed_seconds", 0.0) for r in history)
         last = history[-1] if history else {}
-        summary = {"time_s": round(seconds, 2), "epochs": len(history),
+        # time_s: this launch's; resumed_epoch: the epoch it started in after a resume (snapshot or checkpoint),
+        # whose earlier epochs ran in other launches (epochs_s: every epoch's own time, whichever launch ran it)
+        summary = {"time_s": round(seconds, 2), "epochs": len(history), "resumed_epoch": resumed_epoch,
+                   "epochs_s": round(sum(r.get("seconds", 0.0) for r in history), 2),
                    "images_per_s": images / timed if images else None,
                    "val_top1": last.get("val_top1"), "val_top5": last.get("val_top5"),
                    "world_size": self.size, "algorithm": args.algorithm, "grid": list(self.strategy.torus_comm.dims),
@@ -474,7 +477,9 @@ def summary_line(summary: dict) -> str:
         f"val top-1 {summary['val_top1']:.4f}, top-5 {summary['val_top5']:.4f}, "
     speed = "" if summary["images_per_s"] is None else f"{summary['images_per_s']:.1f} images/s, "
     grid = "x".join(map(str, summary["grid"]))
-    return (f"torus-train: done: {summary['epochs']} epochs in {summary['time_s']:.0f} s, {val}{speed}"
+    launch = "" if summary.get("resumed_epoch") is None else \
+        f" (this launch, from epoch {summary['resumed_epoch']}; epochs' own times {summary['epochs_s']:.0f} s in all)"
+    return (f"torus-train: done: {summary['epochs']} epochs in {summary['time_s']:.0f} s{launch}, {val}{speed}"
             f"{summary['world_size']} ranks (grid {grid}, {summary['algorithm']}), {summary['model']} at "
             f"{summary['image_size']}x{summary['image_size']}, {summary['trainer']}")
 

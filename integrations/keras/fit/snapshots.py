@@ -47,6 +47,13 @@ from torus.integrations.keras.fit import callback_state, inputs
 PROGRESS_EVERY_S = 0.2  # torus-run's steps redone trail the failure by at most this
 
 
+def say(line: str) -> None:
+    """``line`` on stderr in one write with its newline (torus-run reads it; print writes the text and the
+    newline apart where stderr is unbuffered, and another rank's output can land between them)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def model_key(variables, architecture: str = "") -> str:
     """The model key of a snapshot: a digest of the variables' count, shapes and dtypes, in order, and of the
     model's ``architecture`` (:func:`architecture`; empty for custom loops, which hand variables alone)."""
@@ -124,8 +131,7 @@ class Session:
     def report_progress(self, step: int) -> None:
         if self.progress and time.monotonic() - self._reported >= PROGRESS_EVERY_S:
             self._reported = time.monotonic()
-            sys.stderr.write(f"torus-run: at step {step}\n")
-            sys.stderr.flush()
+            say(f"torus-run: at step {step}")
 
     def agree(self, variables) -> None:
         """Once per process, at its first fit or ``resume`` (collective): the snapshot to resume from, or none."""
@@ -165,8 +171,7 @@ class Session:
         self.target = None
         assign(variables, arrays, step, self.torus_comm.rank)
         if self.torus_comm.rank == 0:
-            print(f"torus-run: resumed at step {step} (restart {self.restart}, {self.torus_comm.size} ranks)",
-                  file=sys.stderr, flush=True)
+            say(f"torus-run: resumed at step {step} (restart {self.restart}, {self.torus_comm.size} ranks)")
         return {**meta, "step": step}
 
 
@@ -231,9 +236,8 @@ class SnapshotCallback(keras.callbacks.Callback):
             self._original_step = model.train_function
             model.train_function = self._pass_over
         if rank == 0:  # the line torus-run reads (steps redone: the last progress marker less this step)
-            print(f"torus-run: resumed at step {step} (fit {self.index}, epoch {epoch + 1}, {done} batches of it "
-                  f"done; restart {self.session.restart}, {self.session.torus_comm.size} ranks)",
-                  file=sys.stderr, flush=True)
+            say(f"torus-run: resumed at step {step} (fit {self.index}, epoch {epoch + 1}, {done} batches of it "
+                f"done; restart {self.session.restart}, {self.session.torus_comm.size} ranks)")
 
     def _pass_over(self, iterator):
         """A step already trained before the restart: its batches are read (the data goes on in order), not
