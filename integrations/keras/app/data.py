@@ -416,7 +416,7 @@ def train_dataset(split: Split, *, epoch: int, batch_size: int, steps: int, imag
                                                 tf.stack([base[0] + base[1] * 7919, i]),
                                                 image_size, augment), split.norm), example[1]),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return per_rank(dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+    return _pipeline(dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
 
 def val_dataset(split: Split, *, batch_size: int, image_size: int, central_fraction: float = 0.875):
@@ -428,8 +428,8 @@ def val_dataset(split: Split, *, batch_size: int, image_size: int, central_fract
             image = tf.image.central_crop(image, central_fraction)
         image = _resize(tf.cast(image, tf.float32) / 255.0, image_size)
         return _normalise(image, split.norm), label
-    return per_rank(_examples(split, None, None).map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
-                    .batch(batch_size).prefetch(tf.data.AUTOTUNE))
+    return _pipeline(_examples(split, None, None).map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+                     .batch(batch_size).prefetch(tf.data.AUTOTUNE))
 
 
 def synthetic_dataset(*, batch_size: int, steps: int, image_size: int, num_classes: int, seed: int = 0):
@@ -438,4 +438,14 @@ def synthetic_dataset(*, batch_size: int, steps: int, image_size: int, num_class
     rng = np.random.default_rng(seed)
     images = rng.standard_normal((batch_size, image_size, image_size, 3), np.float32)
     labels = rng.integers(0, num_classes, batch_size).astype(np.int32)
-    return per_rank(tf.data.Dataset.from_tensors((images, labels)).repeat(steps).prefetch(1))
+    return _pipeline(tf.data.Dataset.from_tensors((images, labels)).repeat(steps).prefetch(1))
+
+
+def _pipeline(dataset):
+    """``dataset`` marked as this rank's share (``per_rank``), without tf.data's autotuning thread: its
+    AUTOTUNE stages keep TensorFlow's default parallelism. torus-train ends a ``fit`` every epoch, and that
+    thread can hold the iterator's deletion at fit's end for seconds on one rank while every other rank waits
+    (measured: bench/fault_injection/README.md, "Epoch ends")."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return per_rank(dataset.with_options(options))
