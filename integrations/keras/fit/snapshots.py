@@ -32,7 +32,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import sys
 import time
 import zlib
 
@@ -43,15 +42,9 @@ from torus import knobs, snapshot
 from torus.integrations.keras import compat
 from torus.integrations.keras.collectives.loop import stall_timeout
 from torus.integrations.keras.fit import callback_state, inputs
+from torus.supervise import report
 
 PROGRESS_EVERY_S = 0.2  # torus-run's steps redone trail the failure by at most this
-
-
-def say(line: str) -> None:
-    """``line`` on stderr in one write with its newline (torus-run reads it; print writes the text and the
-    newline apart where stderr is unbuffered, and another rank's output can land between them)."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 def model_key(variables, architecture: str = "") -> str:
@@ -131,7 +124,7 @@ class Session:
     def report_progress(self, step: int) -> None:
         if self.progress and time.monotonic() - self._reported >= PROGRESS_EVERY_S:
             self._reported = time.monotonic()
-            say(f"torus-run: at step {step}")
+            report.say(f"at step {step}")
 
     def agree(self, variables) -> None:
         """Once per process, at its first fit or ``resume`` (collective): the snapshot to resume from, or none."""
@@ -171,7 +164,7 @@ class Session:
         self.target = None
         assign(variables, arrays, step, self.torus_comm.rank)
         if self.torus_comm.rank == 0:
-            say(f"torus-run: resumed at step {step} (restart {self.restart}, {self.torus_comm.size} ranks)")
+            report.say(f"resumed at step {step} (restart {self.restart}, {self.torus_comm.size} ranks)")
         return {**meta, "step": step}
 
 
@@ -236,7 +229,7 @@ class SnapshotCallback(keras.callbacks.Callback):
             self._original_step = model.train_function
             model.train_function = self._pass_over
         if rank == 0:  # the line torus-run reads (steps redone: the last progress marker less this step)
-            say(f"torus-run: resumed at step {step} (fit {self.index}, epoch {epoch + 1}, {done} batches of it "
+            report.say(f"resumed at step {step} (fit {self.index}, epoch {epoch + 1}, {done} batches of it "
                 f"done; restart {self.session.restart}, {self.session.torus_comm.size} ranks)")
 
     def _pass_over(self, iterator):
