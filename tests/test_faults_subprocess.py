@@ -93,7 +93,9 @@ def test_a_stall_in_library_use_ends_the_job(algorithm):
     rc, seconds, out = _job("stuck", True, algorithm=algorithm, library=True)
     tail = out[-3000:]
     assert rc == 75 and seconds < BOUND_S, f"status {rc} after {seconds:.0f} s:\n{tail}"
-    assert "uncaught TimeoutError; aborting the MPI job" in out and "calling MPI_Abort(75)" in out, tail
+    # Status 75 is MPI_Abort(PEER_LOST_EXIT)'s; its "calling MPI_Abort(75)" line is best effort (the first
+    # survivor's Abort may end the launcher before it forwards the other's last line), the reason's is not.
+    assert "uncaught TimeoutError; aborting the MPI job" in out, tail
 
 
 def test_mpi4py_launcher_aborts_on_sys_exit():

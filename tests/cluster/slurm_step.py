@@ -4,8 +4,8 @@ requests of MPICH's PMI-1 client: it sometimes parses a request longer than its 
 hangs in ``MPI_Init`` or fails there (exit code 15) (Slurm 22.05, the pip wheel's MPICH; docs/clusters.md,
 "Slurm"; tests/cluster/slurm.py's job environment makes it rare). That is the launcher's fault, not torus's: the
 step is ended once those lines are seen, or has ended unsuccessfully after them, and is started again, with a
-line saying so, at most three times (the clean-clone run of 310c260 still met one misread with the
-environment's fix in); a fourth misread is returned as it is (the test then fails).
+line saying so, at most seven times (the clean-clone run of 310c260 met one misread with the environment's
+fix in, that of 9454c37 four in a row); an eighth misread is returned as it is (the test then fails).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ GRACE_S = 20.0  # after the first misread line: the step may still finish (a mis
 DRAIN_S = 60.0  # for the ended step's job to leave the queue: until then a new one waits for its nodes
 
 
-def run(cmd: list[str], env: dict, cwd: Path, limit_s: float, attempts: int = 4) -> tuple[int | None, str, str]:
+def run(cmd: list[str], env: dict, cwd: Path, limit_s: float, attempts: int = 8) -> tuple[int | None, str, str]:
     """``cmd`` in a session of its own, at most ``limit_s`` seconds an attempt: (status, None where it ran out
     of time; its stdout; its stderr)."""
     for attempt in range(1, attempts + 1):
