@@ -30,7 +30,8 @@ def run(cmd: list[str], env: dict, cwd: Path, limit_s: float, attempts: int = 8)
         status, out, err, misread = _once(cmd, env, cwd, limit_s)
         if not misread or attempt == attempts:
             return status, out, err
-        print(f"slurm step: Slurm's pmi2 plugin misread a PMI request ({PMI_MISREAD.search(err).group(0)}) and "
+        found = PMI_MISREAD.search(err)
+        print(f"slurm step: Slurm's pmi2 plugin misread a PMI request ({found.group(0) if found else 'mpi/pmi2'}) and "
               f"the step hung or failed in MPI_Init; starting it again (attempt {attempt + 1} of {attempts})",
               flush=True)
         _drain(env)
