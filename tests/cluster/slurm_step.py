@@ -28,10 +28,9 @@ def run(cmd: list[str], env: dict, cwd: Path, limit_s: float, attempts: int = 8)
     of time; its stdout; its stderr)."""
     for attempt in range(1, attempts + 1):
         status, out, err, misread = _once(cmd, env, cwd, limit_s)
-        if not misread or attempt == attempts:
+        if misread is None or attempt == attempts:
             return status, out, err
-        found = PMI_MISREAD.search(err)
-        print(f"slurm step: Slurm's pmi2 plugin misread a PMI request ({found.group(0) if found else 'mpi/pmi2'}) and "
+        print(f"slurm step: Slurm's pmi2 plugin misread a PMI request ({misread}) and "
               f"the step hung or failed in MPI_Init; starting it again (attempt {attempt + 1} of {attempts})",
               flush=True)
         _drain(env)
@@ -54,7 +53,8 @@ def _drain(env: dict) -> None:
         time.sleep(1.0)
 
 
-def _once(cmd: list[str], env: dict, cwd: Path, limit_s: float) -> tuple[int | None, str, str, bool]:
+def _once(cmd: list[str], env: dict, cwd: Path, limit_s: float) -> tuple[int | None, str, str, str | None]:
+    """(status, stdout, stderr, the misread line's error where the step met one and did not succeed, else None)."""
     with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
         proc = subprocess.Popen(cmd, stdout=out_file, stderr=err_file, text=True, env=env, cwd=cwd,
                                 start_new_session=True)
@@ -78,4 +78,5 @@ def _once(cmd: list[str], env: dict, cwd: Path, limit_s: float) -> tuple[int | N
         out_file.seek(0)
         err_file.seek(0)
         out, err = out_file.read(), err_file.read()
-        return status, out, err, misread or (status != 0 and PMI_MISREAD.search(err) is not None)
+        found = PMI_MISREAD.search(err)
+        return status, out, err, found.group(0) if found and (misread or status != 0) else None

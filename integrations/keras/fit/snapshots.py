@@ -230,7 +230,7 @@ class SnapshotCallback(keras.callbacks.Callback):
             model.train_function = self._pass_over
         if rank == 0:  # the line torus-run reads (steps redone: the last progress marker less this step)
             report.say(f"resumed at step {step} (fit {self.index}, epoch {epoch + 1}, {done} batches of it "
-                f"done; restart {self.session.restart}, {self.session.torus_comm.size} ranks)")
+                       f"done; restart {self.session.restart}, {self.session.torus_comm.size} ranks)")
 
     def _pass_over(self, iterator):
         """A step already trained before the restart: its batches are read (the data goes on in order), not
