@@ -19,13 +19,13 @@ polynomial decay, power 2, to 0):
 - ``nesterov-sweep`` (and ``adam-sweep``): Nesterov momentum (Adam) at the largest batch only, the peak rate
   swept over a log grid (Nado et al. 2021, arXiv:2102.06356: well-tuned standard optimizers match LARS and
   LAMB at large batches). The sweep is scored on the test split, which flatters it: there is no held-out
-  split here.
+  split here. ``lars-sweep``: ``lars`` at the largest batch at ×¼ and ×½ of its linear rule's peak.
 
 Each finished cell is appended to ``--out`` as one JSON line (the cell, torus-train's summary and its
 command); a cell already there is skipped, so an interrupted study resumes where it stopped. ``--report``
-(also run at the end) prints a table of mean and spread over seeds per method and global batch, writes it
-to ``<out>.md`` and plots test accuracy against the global batch, one line per method, to ``<out>.png``
-(a sweep: its best rate). Every run is ``mpiexec -n --ranks torus-train ...``; ``--dry-run`` prints them.
+(also run at the end) prints a table of mean and spread over seeds per method, global batch and rank count
+(a sweep's best rate; every rate it tried in a second table), writes it to ``<out>.md`` and plots test
+accuracy against the global batch, one line per method, ``--ranks`` ranks, to ``<out>.png``. Every run is ``mpiexec -n --ranks torus-train ...``; ``--dry-run`` prints them.
 """
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ from pathlib import Path
 
 BIN = Path(sys.executable).parent
 SWEEP = {"nesterov-sweep": ("nesterov", (0.25, 0.5, 1.0, 2.0, 4.0)),  # times the sgd rate's linear scaling
-         "adam-sweep": ("adam", (1e-4, 3e-4, 1e-3, 3e-3, 1e-2))}  # absolute peaks at the largest batch
-METHODS = ("sgd", "lars", "lars-bsc", "nesterov-sweep", "adam-sweep")
+         "adam-sweep": ("adam", (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)),  # absolute peaks at the largest batch
+         "lars-sweep": ("lars", (0.25, 0.5))}  # times lars' rate: its linear rule diverged at 8192
+METHODS = ("sgd", "lars", "lars-bsc", "nesterov-sweep", "adam-sweep", "lars-sweep")
 
 
 def batch_schedule(target: int, epochs: int, ranks: int) -> str:
@@ -68,9 +69,11 @@ def cells(args) -> list[dict]:
                         continue
                     optimizer, grid = SWEEP[method]
                     for factor in grid:
-                        lr, base_batch = (args.sgd_lr * factor, 256) if optimizer == "nesterov" else (factor, batch)
+                        lr, base_batch = {"nesterov": (args.sgd_lr * factor, 256), "adam": (factor, batch),
+                                          "lars": (args.lars_lr * factor, 256)}[optimizer]
                         out.append(base | {"optimizer": optimizer, "lr": lr, "base_batch": base_batch,
-                                           "batch_schedule": f"0:{batch}", "trust": None})
+                                           "batch_schedule": f"0:{batch}",
+                                           "trust": args.trust if optimizer == "lars" else None})
                     continue
                 if method == "sgd":
                     out.append(base | {"optimizer": "sgd", "lr": args.sgd_lr, "base_batch": 256,
@@ -141,19 +144,25 @@ def report(args) -> None:
         c = r["cell"]
         acc = r["summary"]["val_top1"] if r.get("summary") else float("nan")
         peak = c["lr"] * c["global_batch"] / c["base_batch"]  # at the (final) global batch
-        groups.setdefault((c["method"], c["global_batch"], peak, c["epochs"], c["train_images"]), []).append(acc)
-    best: dict = {}  # (method, batch) -> (mean, spread, n, lr): a sweep keeps its best rate
-    for (method, batch, lr, epochs, images), accs in groups.items():
+        budget = (c["epochs"], c["train_images"], c["ranks"])
+        groups.setdefault((c["method"], c["global_batch"], peak, budget), []).append(acc)
+    best: dict = {}  # (method, batch, budget) -> (mean, spread, n, lr): a sweep keeps its best rate
+    for (method, batch, lr, budget), accs in groups.items():
         mean = statistics.fmean(accs)
         spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        k = (method, batch, epochs, images)
+        k = (method, batch, budget)
         if k not in best or mean > best[k][0] or math.isnan(best[k][0]):
             best[k] = (mean, spread, len(accs), lr)
-    lines = ["| method | global batch | epochs | train images | test top-1 (mean ± sd) | seeds | peak rate |",
-             "|---|---|---|---|---|---|---|"]
-    for (method, batch, epochs, images), (mean, spread, n, lr) in sorted(best.items()):
-        lines.append(f"| {method} | {batch} | {epochs} | {images or 'all'} | {mean:.4f} ± {spread:.4f} | {n} | "
-                     f"{lr:.4g} |")
+    lines = ["| method | global batch | epochs | train images | ranks | test top-1 (mean ± sd) | seeds | peak rate |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (method, batch, (epochs, images, ranks)), (mean, spread, n, lr) in sorted(best.items()):
+        lines.append(f"| {method} | {batch} | {epochs} | {images or 'all'} | {ranks} | {mean:.4f} ± {spread:.4f} | "
+                     f"{n} | {lr:.4g} |")
+    swept = sorted((m, b, lr, statistics.fmean(accs), len(accs)) for (m, b, lr, _), accs in groups.items()
+                   if m in SWEEP)
+    if swept:  # every rate a sweep tried, not only its best
+        lines += ["", "| sweep | global batch | peak rate | test top-1 (mean) | seeds |", "|---|---|---|---|---|"]
+        lines += [f"| {m} | {b} | {lr:.4g} | {acc:.4f} | {n} |" for m, b, lr, acc, n in swept]
     table = "\n".join(lines)
     print(table)
     args.out.with_suffix(".md").write_text(table + "\n")
@@ -161,20 +170,19 @@ def report(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    budget = (args.epochs, args.train_images)  # the plot shows this budget's cells only
+    budget = (args.epochs, args.train_images, args.ranks)  # the plot shows this budget's cells only
     for method in METHODS:
-        points = sorted((b, m, s) for (meth, b, e, n), (m, s, _, _) in best.items() if meth == method
-                        and (e, n) == budget)
+        points = sorted((b, m, s) for (meth, b, bud), (m, s, _, _) in best.items() if meth == method and bud == budget)
         if points:
             xs, ys, es = zip(*points)
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
     ax.set_xscale("log", base=2)
-    shown = sorted({b for (_, b, e, n) in best if (e, n) == budget})
+    shown = sorted({b for (_, b, bud) in best if bud == budget})
     ax.set_xticks(shown, [str(b) for b in shown])
     ax.set_xlabel("global batch")
     ax.set_ylabel("test top-1 (Fashion-MNIST, 10,000 images)")
     ax.set_title(f"ResNet-20, {args.epochs} epochs" + (f" of {args.train_images} images" if args.train_images
-                                                        else ""))
+                                                        else "") + f", {args.ranks} ranks")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out.with_suffix(".png"), dpi=120)
