@@ -25,7 +25,8 @@ Each finished cell is appended to ``--out`` as one JSON line (the cell, torus-tr
 command); a cell already there is skipped, so an interrupted study resumes where it stopped. ``--report``
 (also run at the end) prints a table of mean and spread over seeds per method, global batch and rank count
 (a sweep's best rate; every rate it tried in a second table), writes it to ``<out>.md`` and plots test
-accuracy against the global batch, one line per method, ``--ranks`` ranks, to ``<out>.png``. Every run is ``mpiexec -n --ranks torus-train ...``; ``--dry-run`` prints them.
+accuracy against the global batch, one line per method, ``--ranks`` ranks, to ``<out>.png``. Every run is
+``mpiexec -n --ranks torus-train ...``; ``--dry-run`` prints them.
 """
 from __future__ import annotations
 
