@@ -72,7 +72,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=d["epochs"], help="epochs to train")
     p.add_argument("--batch-schedule", default=d["batch_schedule"], metavar="EPOCH:BATCH,...",
                    help="global batch (summed over ranks) from each 0-based epoch on; every batch must divide by "
-                   "the rank count")
+                   "the rank count (for a large batch, start at a quarter of it and double it twice: docs/keras.md, "
+                   "'Choosing a large batch')")
     p.add_argument("--optimizer", default=d["optimizer"], choices=["lars", "sgd", "nesterov", "adam"],
                    help="LARS, SGD with momentum, SGD with Nesterov momentum, or Adam (beta_1 = --momentum; "
                    "--weight-decay decoupled, as AdamW)")

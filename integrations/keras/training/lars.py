@@ -47,6 +47,8 @@ class LARS(keras.optimizers.Optimizer):
         sets the step size of adapted layers (λ·lr·‖g‖ ≈ lr·η·‖w‖ for small β), so η and lr trade off; the
         paper's ImageNet runs pair a large lr (2 to 29 with polynomial decay) with a small η. Raise η to 0.01
         when the learning rate comes from the linear-scaling rule at ordinary SGD values (lr ≈ 0.1 per 256).
+        What η = 0.001 with lr = 1.0 per 256 images did at global batches of 512 to 8192, alone and with
+        batch-size control: docs/keras.md, "Choosing a large batch" (bench/large_batch/).
     weight_decay : float
         β, L2 decay coupled into the gradient as in the paper (default 0). This is not Keras' decoupled
         ``weight_decay``; the base class' decoupled decay is never applied.

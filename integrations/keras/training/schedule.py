@@ -17,6 +17,10 @@ class BatchSizeSchedule:
     ``schedule`` is a dict ``{first_epoch: global_batch}`` or the string form ``"0:256,5:512"``. Epochs are
     0-based, as in ``keras.Model.fit``. Raises ``ValueError`` when epoch 0 is missing, an epoch is negative or
     a batch size is not a positive integer.
+
+    Choosing one (docs/keras.md, "Choosing a large batch", from bench/large_batch/): start at a quarter of the
+    target batch and double it at a third and at two thirds of the epochs, with :class:`LearningRateRule` so
+    that the rate follows the batch (Mikami et al. 2018, arXiv:1811.05233, section 3.1).
     """
 
     def __init__(self, schedule: dict[int, int] | str):
