@@ -69,7 +69,7 @@ def cells(args) -> list[dict]:
                     if batch != max(args.batches):
                         continue
                     optimizer, grid = SWEEP[method]
-                    for factor in grid:
+                    for factor in args.grid or grid:
                         lr, base_batch = {"nesterov": (args.sgd_lr * factor, 256), "adam": (factor, batch),
                                           "lars": (args.lars_lr * factor, 256)}[optimizer]
                         out.append(base | {"optimizer": optimizer, "lr": lr, "base_batch": base_batch,
@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--lars-lr", type=float, default=1.0, help="LARS' peak rate per 256 images")
     ap.add_argument("--trust", type=float, default=0.001, help="LARS trust coefficient (You et al.)")
     ap.add_argument("--weight-decay", type=float, default=1e-4, help="He et al. 2016's, for every method")
+    ap.add_argument("--grid", help="a sweep's factors (or Adam's peaks) instead of its default grid, e.g. "
+                    "0.0625,0.125")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--data", default="fashion-mnist")
     ap.add_argument("--dry-run", action="store_true", help="print the commands of the cells still to run")
@@ -211,6 +213,7 @@ def main() -> None:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.methods = args.methods.split(",")
+    args.grid = [float(g) for g in args.grid.split(",")] if args.grid else None
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         ap.error(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
