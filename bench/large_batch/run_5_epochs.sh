@@ -21,6 +21,7 @@ run --batches 2048 --methods sgd,lars-bsc --seeds 1
 run --batches 8192 --methods nesterov-sweep --grid 0.03125 --seeds 0
 run --batches 2048 --methods lars-bsc --seeds 0 --ranks 1
 run --batches 512 --methods lars-bsc --seeds 0
+run --batches 8192 --methods nesterov-sweep --grid 0.015625 --seeds 0
 run --batches 128 --methods sgd --seeds 1
 run --batches 8192 --methods sgd,lars --seeds 1
 run --batches 128 --methods lars,lars-bsc --seeds 0
