@@ -30,7 +30,8 @@ def study():
 
 def args(**kw) -> argparse.Namespace:
     base = dict(batches=[128, 8192], seeds=[0], methods=["sgd"], epochs=5, train_images=None, ranks=2,
-                sgd_lr=0.1, lars_lr=1.0, trust=0.001, warmup=0.1, weight_decay=1e-4, data="fashion-mnist")
+                sgd_lr=0.1, lars_lr=1.0, trust=0.001, warmup=0.1, weight_decay=1e-4, data="fashion-mnist",
+                grid=None)
     return argparse.Namespace(**(base | kw))
 
 
@@ -57,6 +58,12 @@ def test_the_sweeps_run_at_the_largest_batch_only_at_their_grid(study):
     # the rate follows the batch: LARS' peak (1.0 per 256 images) once the batch reaches the target
     assert [(c["global_batch"], c["lr"] * c["global_batch"] / c["base_batch"]) for c in bsc] == [(128, 0.5),
                                                                                                (8192, 32.0)]
+
+
+def test_grid_replaces_a_sweeps_factors_for_one_run(study):
+    cells = study.cells(args(methods=["nesterov-sweep", "sgd"], grid=[0.03125]))
+    assert [(c["method"], c["global_batch"], c["lr"]) for c in cells] == [
+        ("sgd", 128, 0.1), ("nesterov-sweep", 8192, 0.1 * 0.03125), ("sgd", 8192, 0.1)]
 
 
 def record(method, batch, seed, acc, ranks=2, lr=0.1, base=256):

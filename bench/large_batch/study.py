@@ -177,6 +177,10 @@ def report(args) -> None:
         if points:
             xs, ys, es = zip(*points)
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
+    small = min((b for (m, b, bud) in best if m == "sgd" and bud == budget), default=None)
+    if small is not None:  # the target: within 1 point of the small-batch baseline
+        base = best[("sgd", small, budget)][0]
+        ax.axhline(base - 0.01, color="grey", linestyle=":", label=f"1 point below sgd at {small}")
     ax.set_xscale("log", base=2)
     shown = sorted({b for (_, b, bud) in best if bud == budget})
     ax.set_xticks(shown, [str(b) for b in shown])
