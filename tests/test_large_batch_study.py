@@ -66,6 +66,13 @@ def test_grid_replaces_a_sweeps_factors_for_one_run(study):
         ("sgd", 128, 0.1), ("nesterov-sweep", 8192, 0.1 * 0.03125), ("sgd", 8192, 0.1)]
 
 
+def test_a_warmup_other_than_the_default_is_a_cell_of_its_own_with_its_warmup_epochs(study, tmp_path):
+    default, longer = study.cells(args(methods=["lars"]))[1], study.cells(args(methods=["lars"], warmup=0.4))[1]
+    assert "warmup" not in default and longer["warmup"] == 0.4 and study.key(default) != study.key(longer)
+    cmd = study.command(longer, args(), tmp_path / "summary.json")
+    assert cmd[cmd.index("--warmup-epochs") + 1] == "2"  # 0.4 of 5 epochs
+
+
 def record(method, batch, seed, acc, ranks=2, lr=0.1, base=256):
     cell = dict(method=method, global_batch=batch, seed=seed, epochs=5, train_images=None, ranks=ranks,
                 optimizer="sgd", lr=lr, base_batch=base, batch_schedule=f"0:{batch}", trust=None)

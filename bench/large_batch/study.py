@@ -44,6 +44,7 @@ BIN = Path(sys.executable).parent
 SWEEP = {"nesterov-sweep": ("nesterov", (0.25, 0.5, 1.0, 2.0, 4.0)),  # times the sgd rate's linear scaling
          "adam-sweep": ("adam", (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)),  # absolute peaks at the largest batch
          "lars-sweep": ("lars", (0.25, 0.5))}  # times lars' rate: its linear rule diverged at 8192
+WARMUP = 0.1  # a tenth of the budget (Goyal et al. warm up 5 of 90 epochs)
 METHODS = ("sgd", "lars", "lars-bsc", "nesterov-sweep", "adam-sweep", "lars-sweep")
 
 
@@ -65,6 +66,8 @@ def cells(args) -> list[dict]:
             for method in args.methods:
                 base = {"method": method, "global_batch": batch, "seed": seed, "epochs": args.epochs,
                         "train_images": args.train_images, "ranks": args.ranks}
+                if args.warmup != WARMUP:  # a cell of its own (cells at the default carry no key, as before)
+                    base["warmup"] = args.warmup
                 if method in SWEEP:
                     if batch != max(args.batches):
                         continue
@@ -94,7 +97,7 @@ def key(cell: dict) -> str:
 
 
 def command(cell: dict, args, summary: Path) -> list[str]:
-    warmup = max(args.warmup * cell["epochs"], 1e-3)
+    warmup = max(cell.get("warmup", WARMUP) * cell["epochs"], 1e-3)
     cmd = [str(BIN / "mpiexec"), "-n", str(cell["ranks"]), str(BIN / "torus-train"), "--data", args.data,
            "--model", "resnet20", "--epochs", str(cell["epochs"]), "--batch-schedule", cell["batch_schedule"],
            "--optimizer", cell["optimizer"], "--lr", f"{cell['lr']:g}", "--base-batch", str(cell["base_batch"]),
@@ -144,9 +147,10 @@ def report(args) -> None:
     for r in records:
         c = r["cell"]
         acc = r["summary"]["val_top1"] if r.get("summary") else float("nan")
+        method = c["method"] + (f" (warm-up {c['warmup']:g})" if "warmup" in c else "")
         peak = c["lr"] * c["global_batch"] / c["base_batch"]  # at the (final) global batch
         budget = (c["epochs"], c["train_images"], c["ranks"])
-        groups.setdefault((c["method"], c["global_batch"], peak, budget), []).append(acc)
+        groups.setdefault((method, c["global_batch"], peak, budget), []).append(acc)
     best: dict = {}  # (method, batch, budget) -> (mean, spread, n, lr): a sweep keeps its best rate
     for (method, batch, lr, budget), accs in groups.items():
         mean = statistics.fmean(accs)
@@ -202,7 +206,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=int, default=10, help="the budget of every run (README.md: its cost)")
     ap.add_argument("--train-images", type=int, help="train on this many images (smoke tests; default all)")
-    ap.add_argument("--warmup", type=float, default=0.1, help="warm-up as a fraction of the epochs")
+    ap.add_argument("--warmup", type=float, default=WARMUP, help="warm-up as a fraction of the epochs")
     ap.add_argument("--sgd-lr", type=float, default=0.1, help="SGD's peak rate per 256 images (Goyal et al.)")
     ap.add_argument("--lars-lr", type=float, default=1.0, help="LARS' peak rate per 256 images")
     ap.add_argument("--trust", type=float, default=0.001, help="LARS trust coefficient (You et al.)")
