@@ -22,6 +22,7 @@ run --batches 8192 --methods nesterov-sweep --grid 0.03125 --seeds 0
 run --batches 2048 --methods lars-bsc --seeds 0 --ranks 1
 run --batches 512 --methods lars-bsc --seeds 0
 run --batches 8192 --methods nesterov-sweep --grid 0.015625 --seeds 0
+run --batches 8192 --methods lars --warmup 0.417 --seeds 0  # the warm-up in steps of lars-bsc at 8192 (14.6)
 run --batches 128 --methods sgd --seeds 1
 run --batches 8192 --methods sgd,lars --seeds 1
 run --batches 128 --methods lars,lars-bsc --seeds 0
