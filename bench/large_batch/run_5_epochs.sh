@@ -26,3 +26,4 @@ run --batches 8192 --methods lars --warmup 0.417 --seeds 0  # the warm-up in ste
 run --batches 128 --methods sgd --seeds 1
 run --batches 8192 --methods sgd,lars --seeds 1
 run --batches 128 --methods lars,lars-bsc --seeds 0
+run --batches 512 --methods sgd --seeds 0 --ranks 1
