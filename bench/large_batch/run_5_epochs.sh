@@ -27,3 +27,6 @@ run --batches 128 --methods sgd --seeds 1
 run --batches 8192 --methods sgd,lars --seeds 1
 run --batches 128 --methods lars,lars-bsc --seeds 0
 run --batches 512 --methods sgd --seeds 0 --ranks 1
+run --batches 8192 --methods nesterov-sweep --grid 0.03125 --seeds 1
+run --batches 2048 --methods lars --seeds 1
+run --batches 8192 --methods lars-bsc --seeds 0 --ranks 1
