@@ -73,9 +73,11 @@ def test_a_warmup_other_than_the_default_is_a_cell_of_its_own_with_its_warmup_ep
     assert cmd[cmd.index("--warmup-epochs") + 1] == "2"  # 0.4 of 5 epochs
 
 
-def record(method, batch, seed, acc, ranks=2, lr=0.1, base=256):
-    cell = dict(method=method, global_batch=batch, seed=seed, epochs=5, train_images=None, ranks=ranks,
+def record(method, batch, seed, acc, ranks=2, lr=0.1, base=256, epochs=5, warmup=None):
+    cell = dict(method=method, global_batch=batch, seed=seed, epochs=epochs, train_images=None, ranks=ranks,
                 optimizer="sgd", lr=lr, base_batch=base, batch_schedule=f"0:{batch}", trust=None)
+    if warmup is not None:
+        cell["warmup"] = warmup
     return {"cell": cell, "returncode": 0, "summary": {"val_top1": acc}}
 
 
@@ -95,5 +97,20 @@ def test_the_table_is_mean_and_sd_over_seeds_per_rank_count_and_a_sweep_keeps_it
     best = max(sweep, key=sweep.get)
     assert f"| nesterov-sweep | 8192 | 5 | all | 2 | {sweep[best]:.4f} ± 0.0000 | 1 | {best * 32:.4g} |" in table
     for lr, acc in sweep.items():  # every rate tried, in the second table
-        assert f"| nesterov-sweep | 8192 | {lr * 32:.4g} | {acc:.4f} | 1 |" in table
+        assert f"| nesterov-sweep | 8192 | 5 | all | 2 | {lr * 32:.4g} | {acc:.4f} | 1 |" in table
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_sweep_at_another_warmup_or_budget_is_still_a_sweep_with_rows_of_its_own(study, tmp_path):
+    rng = random.Random(11)
+    five, fifteen, warm = (rng.uniform(0.1, 0.9) for _ in range(3))
+    lines = [record("nesterov-sweep", 8192, 0, five, lr=0.003125), record("nesterov-sweep", 8192, 0, fifteen,
+                                                                          lr=0.003125, epochs=15),
+             record("nesterov-sweep", 8192, 0, warm, lr=0.003125, warmup=0.4)]
+    out = tmp_path / "study.jsonl"
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    study.report(args(out=out))
+    sweeps = out.with_suffix(".md").read_text().split("| sweep |")[1]
+    assert f"| nesterov-sweep | 8192 | 5 | all | 2 | 0.1 | {five:.4f} | 1 |" in sweeps
+    assert f"| nesterov-sweep | 8192 | 15 | all | 2 | 0.1 | {fifteen:.4f} | 1 |" in sweeps
+    assert f"| nesterov-sweep (warm-up 0.4) | 8192 | 5 | all | 2 | 0.1 | {warm:.4f} | 1 |" in sweeps

@@ -140,6 +140,18 @@ def run_cells(args) -> None:
               f"{cell['lr']:g}: {result} in {record['wall_s']:.0f} s", flush=True)
 
 
+def _label(method: tuple) -> str:
+    """A table's name for a (method, warm-up or None) key."""
+    name, warmup = method
+    return name if warmup is None else f"{name} (warm-up {warmup:g})"
+
+
+def _order(method: tuple) -> tuple:
+    """Sort key of a (method, warm-up or None) key: by name, the default warm-up first."""
+    name, warmup = method
+    return (name, warmup is not None, warmup or 0.0)
+
+
 def report(args) -> None:
     """The table (stdout and ``<out>.md``) and the plot (``<out>.png``) from every line of ``--out``."""
     records = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
@@ -147,7 +159,8 @@ def report(args) -> None:
     for r in records:
         c = r["cell"]
         acc = r["summary"]["val_top1"] if r.get("summary") else float("nan")
-        method = c["method"] + (f" (warm-up {c['warmup']:g})" if "warmup" in c else "")
+        # a non-default warm-up is a row of its own, but still its method's (a sweep stays a sweep)
+        method = (c["method"], c.get("warmup"))
         peak = c["lr"] * c["global_batch"] / c["base_batch"]  # at the (final) global batch
         budget = (c["epochs"], c["train_images"], c["ranks"])
         groups.setdefault((method, c["global_batch"], peak, budget), []).append(acc)
@@ -160,14 +173,17 @@ def report(args) -> None:
             best[k] = (mean, spread, len(accs), lr)
     lines = ["| method | global batch | epochs | train images | ranks | test top-1 (mean ± sd) | seeds | peak rate |",
              "|---|---|---|---|---|---|---|---|"]
-    for (method, batch, (epochs, images, ranks)), (mean, spread, n, lr) in sorted(best.items()):
-        lines.append(f"| {method} | {batch} | {epochs} | {images or 'all'} | {ranks} | {mean:.4f} ± {spread:.4f} | "
-                     f"{n} | {lr:.4g} |")
-    swept = sorted((m, b, lr, statistics.fmean(accs), len(accs)) for (m, b, lr, _), accs in groups.items()
-                   if m in SWEEP)
+    rows = sorted(best.items(), key=lambda kv: (_order(kv[0][0]), *kv[0][1:]))
+    for (method, batch, (epochs, images, ranks)), (mean, spread, n, lr) in rows:
+        lines.append(f"| {_label(method)} | {batch} | {epochs} | {images or 'all'} | {ranks} | {mean:.4f} ± "
+                     f"{spread:.4f} | {n} | {lr:.4g} |")
+    swept = [((m, b, bud, lr), statistics.fmean(accs), len(accs)) for (m, b, lr, bud), accs in groups.items()
+             if m[0] in SWEEP]
     if swept:  # every rate a sweep tried, not only its best
-        lines += ["", "| sweep | global batch | peak rate | test top-1 (mean) | seeds |", "|---|---|---|---|---|"]
-        lines += [f"| {m} | {b} | {lr:.4g} | {acc:.4f} | {n} |" for m, b, lr, acc, n in swept]
+        head = "| sweep | global batch | epochs | train images | ranks | peak rate | test top-1 (mean) | seeds |"
+        lines += ["", head, "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {_label(m)} | {b} | {e} | {i or 'all'} | {r} | {lr:.4g} | {acc:.4f} | {n} |"
+                  for (m, b, (e, i, r), lr), acc, n in sorted(swept, key=lambda x: (_order(x[0][0]), *x[0][1:]))]
     table = "\n".join(lines)
     print(table)
     args.out.with_suffix(".md").write_text(table + "\n")
@@ -177,13 +193,14 @@ def report(args) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     budget = (args.epochs, args.train_images, args.ranks)  # the plot shows this budget's cells only
     for method in METHODS:
-        points = sorted((b, m, s) for (meth, b, bud), (m, s, _, _) in best.items() if meth == method and bud == budget)
+        points = sorted((b, m, s) for (meth, b, bud), (m, s, _, _) in best.items()
+                        if meth == (method, None) and bud == budget)
         if points:
             xs, ys, es = zip(*points)
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
-    small = min((b for (m, b, bud) in best if m == "sgd" and bud == budget), default=None)
+    small = min((b for (m, b, bud) in best if m == ("sgd", None) and bud == budget), default=None)
     if small is not None:  # the issue's target: within 1 point of the small-batch baseline
-        base = best[("sgd", small, budget)][0]
+        base = best[(("sgd", None), small, budget)][0]
         ax.axhline(base - 0.01, color="grey", linestyle=":", label=f"1 point below sgd at {small}")
     ax.set_xscale("log", base=2)
     shown = sorted({b for (_, b, bud) in best if bud == budget})
