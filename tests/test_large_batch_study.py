@@ -31,7 +31,7 @@ def study():
 def args(**kw) -> argparse.Namespace:
     base = dict(batches=[128, 8192], seeds=[0], methods=["sgd"], epochs=5, train_images=None, ranks=2,
                 sgd_lr=0.1, lars_lr=1.0, trust=0.001, warmup=0.1, weight_decay=1e-4, data="fashion-mnist",
-                grid=None)
+                grid=None, plot=None)
     return argparse.Namespace(**(base | kw))
 
 
@@ -114,3 +114,12 @@ def test_a_sweep_at_another_warmup_or_budget_is_still_a_sweep_with_rows_of_its_o
     assert f"| nesterov-sweep | 8192 | 5 | all | 2 | 0.1 | {five:.4f} | 1 |" in sweeps
     assert f"| nesterov-sweep | 8192 | 15 | all | 2 | 0.1 | {fifteen:.4f} | 1 |" in sweeps
     assert f"| nesterov-sweep (warm-up 0.4) | 8192 | 5 | all | 2 | 0.1 | {warm:.4f} | 1 |" in sweeps
+
+
+def test_plot_puts_one_budgets_plot_beside_the_default_one(study, tmp_path):
+    lines = [record("sgd", 128, 0, 0.9), record("sgd", 128, 0, 0.92, epochs=15)]
+    out = tmp_path / "study.jsonl"
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    study.report(args(out=out, epochs=15, plot=tmp_path / "fifteen.png"))
+    assert (tmp_path / "fifteen.png").stat().st_size > 0 and not out.with_suffix(".png").exists()
+    assert "| sgd | 128 | 15 | all | 2 | 0.9200 ± 0.0000 | 1 | 0.05 |" in out.with_suffix(".md").read_text()

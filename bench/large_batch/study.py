@@ -153,7 +153,8 @@ def _order(method: tuple) -> tuple:
 
 
 def report(args) -> None:
-    """The table (stdout and ``<out>.md``) and the plot (``<out>.png``) from every line of ``--out``."""
+    """The table (stdout and ``<out>.md``) from every line of ``--out``; the plot (``--plot``, by default
+    ``<out>.png``) from the lines of one budget (``--epochs``, ``--train-images``, ``--ranks``)."""
     records = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
     groups: dict = {}
     for r in records:
@@ -211,8 +212,9 @@ def report(args) -> None:
                                                         else "") + f", {args.ranks} ranks")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out.with_suffix(".png"), dpi=120)
-    print(f"table: {args.out.with_suffix('.md')}, plot: {args.out.with_suffix('.png')}")
+    plot = args.plot or args.out.with_suffix(".png")
+    fig.savefig(plot, dpi=120)
+    print(f"table: {args.out.with_suffix('.md')}, plot: {plot}")
 
 
 def main() -> None:
@@ -234,6 +236,8 @@ def main() -> None:
     ap.add_argument("--data", default="fashion-mnist")
     ap.add_argument("--dry-run", action="store_true", help="print the commands of the cells still to run")
     ap.add_argument("--report", action="store_true", help="only the table and the plot from --out")
+    ap.add_argument("--plot", type=Path, help="where the plot goes (default: --out with .png); it shows the cells "
+                    "of --epochs, --train-images and --ranks only")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.seeds = [int(s) for s in args.seeds.split(",")]
