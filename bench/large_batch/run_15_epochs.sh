@@ -11,3 +11,4 @@ run --batches 8192 --methods lars-bsc --seeds 0
 run --batches 8192 --methods nesterov-sweep --grid 0.03125 --seeds 0
 run --batches 128 --methods sgd --seeds 0
 run --batches 8192 --methods sgd --seeds 0  # does SGD still fall 3 points short with the steps?
+run --batches 8192 --methods lars-bsc --seeds 1
