@@ -20,7 +20,8 @@ class BatchSizeSchedule:
 
     Choosing one (docs/keras.md, "Choosing a large batch", from bench/large_batch/): start at a quarter of the
     target batch and double it at a third and at two thirds of the epochs, with :class:`LearningRateRule` so
-    that the rate follows the batch (Mikami et al. 2018, arXiv:1811.05233, section 3.1).
+    that the rate follows the batch (Mikami et al. 2018, arXiv:1811.05233, section 3.1). It needs steps, not
+    only epochs: where an epoch at the target is only a few steps, give the run more epochs.
     """
 
     def __init__(self, schedule: dict[int, int] | str):
