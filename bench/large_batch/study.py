@@ -146,10 +146,11 @@ def _label(method: tuple) -> str:
     return name if warmup is None else f"{name} (warm-up {warmup:g})"
 
 
-def _order(method: tuple) -> tuple:
-    """Sort key of a (method, warm-up or None) key: by name, the default warm-up first."""
-    name, warmup = method
-    return (name, warmup is not None, warmup or 0.0)
+def _order(key: tuple) -> tuple:
+    """Sort key of a table key whose first item is (method, warm-up or None): by name, the default warm-up
+    first, then the rest of the key."""
+    (name, warmup), *rest = key
+    return (name, warmup is not None, warmup or 0.0, *rest)
 
 
 def report(args) -> None:
@@ -174,7 +175,7 @@ def report(args) -> None:
             best[k] = (mean, spread, len(accs), lr)
     lines = ["| method | global batch | epochs | train images | ranks | test top-1 (mean ± sd) | seeds | peak rate |",
              "|---|---|---|---|---|---|---|---|"]
-    rows = sorted(best.items(), key=lambda kv: (_order(kv[0][0]), *kv[0][1:]))
+    rows = sorted(best.items(), key=lambda kv: _order(kv[0]))
     for (method, batch, (epochs, images, ranks)), (mean, spread, n, lr) in rows:
         lines.append(f"| {_label(method)} | {batch} | {epochs} | {images or 'all'} | {ranks} | {mean:.4f} ± "
                      f"{spread:.4f} | {n} | {lr:.4g} |")
@@ -184,7 +185,7 @@ def report(args) -> None:
         head = "| sweep | global batch | epochs | train images | ranks | peak rate | test top-1 (mean) | seeds |"
         lines += ["", head, "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {_label(m)} | {b} | {e} | {i or 'all'} | {r} | {lr:.4g} | {acc:.4f} | {n} |"
-                  for (m, b, (e, i, r), lr), acc, n in sorted(swept, key=lambda x: (_order(x[0][0]), *x[0][1:]))]
+                  for (m, b, (e, i, r), lr), acc, n in sorted(swept, key=lambda x: _order(x[0]))]
     table = "\n".join(lines)
     print(table)
     args.out.with_suffix(".md").write_text(table + "\n")
